@@ -1,0 +1,102 @@
+"""
+Evaluate a GradMem checkpoint (arXiv:2603.13875v2) on held-out KV retrieval, rebuilt from the checkpoint alone.
+
+    python eval.py out/kv8/best.pt --K_eval 1 2 5 10        # Figure 4a: more WRITE steps at test time
+
+For each K in --K_eval it reports exact match and token accuracy of the value characters after K WRITE steps,
+and the WRITE loss L_write(M_K) (Eq. 4) split into key, value and separator tokens (Figure 4b, Appendix E).
+Prints a table and writes the same numbers as JSON (--out, default <ckpt dir>/eval.json).
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+from tqdm import tqdm
+
+from data import KEY, SEP, VALUE, KVTask, context_kinds
+from gradmem import GradMem, GradMemConfig, read_loss, score, write, write_loss
+from model import GPT, GPTConfig
+from train import RunError, load_checkpoint
+
+
+def load_model(path, device="cpu"):
+    ckpt = load_checkpoint(path)
+    cfg = ckpt["config"]
+    try:
+        gm = GradMem(GPT(GPTConfig(**cfg["model"])), GradMemConfig(**cfg["gradmem"]))
+        gm.load_state_dict(ckpt["model"])
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+        raise RunError(f"checkpoint {path} does not rebuild a GradMem model: {str(e).splitlines()[0]}") from None
+    return gm.to(device).eval(), cfg
+
+
+@torch.no_grad()
+def evaluate_ks(gm, task, K_list, device, batch_size=250):
+    """One WRITE trajectory of max(K_list) steps per batch; READ and score at every K in K_list."""
+    kinds = torch.as_tensor(context_kinds(task.n_pairs), device=device)
+    head = gm.write_head if gm.write_head is not None else gm.model.lm_head
+    sums = {K: dict(em=0.0, acc=0.0, **{f"write_loss_{n}": 0.0 for n in ("all", "key", "value", "sep")}) for K in K_list}
+    n = 0
+    for b in tqdm(list(task.eval_batches(batch_size, device)), desc="eval", disable=None):
+        B, mem = b["ctx"].size(0), None
+        for k in range(max(K_list) + 1):
+            mem = gm.mem0.expand(B, -1, -1) if mem is None else write(gm, b["ctx"], 1, mem)[0]   # M_k
+            if k not in sums:
+                continue
+            with torch.enable_grad():
+                _, nll = write_loss(gm.model, head, mem, b["ctx"])        # Eq. (4) at M_k, per token
+            _, logits = read_loss(gm.model, mem, b["q"], b["y"])
+            em, acc = score(logits, b["y"], b["y_mask"])
+            s = sums[k]
+            s["em"] += em * B
+            s["acc"] += acc * B
+            for name, sel in (("all", None), ("key", KEY), ("value", VALUE), ("sep", SEP)):
+                tok = nll if sel is None else nll[:, kinds == sel]
+                s[f"write_loss_{name}"] += tok.mean(1).sum().item()
+        n += B
+    return [dict(K_eval=K, **{k: v / n for k, v in sums[K].items()}) for K in K_list]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ckpt", help="checkpoint written by train.py (best.pt or ckpt.pt)")
+    p.add_argument("--K_eval", type=int, nargs="+", default=None, help="WRITE steps at test time (default: the trained K)")
+    p.add_argument("--pairs", type=int, default=None, help="KV pairs (default: the trained --pairs)")
+    p.add_argument("--n_eval", type=int, default=None, help="held-out samples (default: the trained --n_eval)")
+    p.add_argument("--eval_file", default="", help="evaluate on this JSONL split")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--out", default="", help="JSON output (default: <ckpt dir>/eval.json)")
+    args = p.parse_args(argv)
+    try:
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+        gm, cfg = load_model(args.ckpt, device)
+        tc = cfg["train"]
+        K_list = args.K_eval or [cfg["gradmem"]["K"]]
+        if min(K_list) < 0:
+            raise RunError(f"--K_eval must be >= 0, got {K_list}")
+        pairs = args.pairs or tc["pairs"]
+        try:
+            task = KVTask(pairs, tc["seed"], tc["eval_seed"], args.n_eval or tc["n_eval"], eval_file=args.eval_file or None)
+        except (ValueError, OSError) as e:
+            raise RunError(str(e)) from None
+        results = evaluate_ks(gm, task, sorted(set(K_list)), device)
+    except RunError as e:
+        sys.exit(f"eval.py: error: {e}")
+    print(f"{args.ckpt}: {pairs} pairs, {len(task.eval[0])} held-out samples, trained with K={cfg['gradmem']['K']}")
+    print(f"{'K_eval':>6} {'EM':>7} {'tok acc':>8} {'L_write':>8} {'key':>7} {'value':>7} {'sep':>7}")
+    for r in results:
+        print(f"{r['K_eval']:>6} {r['em']:>7.4f} {r['acc']:>8.4f} {r['write_loss_all']:>8.4f} "
+              f"{r['write_loss_key']:>7.4f} {r['write_loss_value']:>7.4f} {r['write_loss_sep']:>7.4f}")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval.json")
+    with open(out + ".tmp", "w") as f:
+        json.dump(dict(ckpt=args.ckpt, pairs=pairs, n_eval=len(task.eval[0]), K_train=cfg["gradmem"]["K"],
+                       results=results), f, indent=1)
+    os.replace(out + ".tmp", out)
+    print(f"wrote {out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""
+GradMem WRITE and READ: "GradMem: Learning to Write Context into Memory with Test-Time Gradient Descent",
+Kuratov et al., arXiv:2603.13875v2, §2.2 and Appendix K.
+
+    L_write(M; C) = - sum_i log f(t_i | [M; t_<i])                  Eq. (4)  reconstruction of C from memory M
+    M_{k+1}       = M_k - alpha * grad_M L_write(M_k; C),  k < K     Eq. (5)  WRITE: K steps from the learned M_0
+    L_task        = - sum_j log f(y_j | [M_K; Q; y_<j])              Eq. (8)  READ: the context is gone
+
+M is m vectors of width d prepended to the input embeddings. The weights theta (and the WRITE head) are
+frozen inside WRITE: only M moves. In training, theta and M_0 are learned through the unrolled WRITE
+(meta-learning, MAML-style):
+    meta_grad="second"  backprop through grad_M L_write itself (create_graph=True): the full meta-gradient;
+    meta_grad="first"   grad_M L_write is a constant, so dL/dM_0 = dL/dM_K and theta gets nothing through WRITE;
+    meta_grad="none"    M is detached around every step: nothing learns through WRITE, M_0 stays at init.
+"""
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PAD = 0  # data.PAD; gradmem.py imports no project file but model.py
+
+
+@dataclass
+class GradMemConfig:
+    n_mem: int = field(default=8, metadata={"help": "memory vectors m, §2.2"})
+    K: int = field(default=1, metadata={"help": "WRITE steps K, Eq. (5)"})
+    K_eval: int = field(default=-1, metadata={"help": "WRITE steps at evaluation (-1: same as K), Fig. 4a"})
+    alpha: float = field(default=0.5, metadata={"help": "inner lr alpha, Eq. (5)"})
+    meta_grad: str = field(default="second", metadata={"choices": ["second", "first", "none"]})
+    write_head: bool = field(default=True, metadata={"help": "separate WRITE head, init from the LM head (App. B)"})
+    aux_write: float = field(default=0.5, metadata={"help": "weight of the auxiliary WRITE loss in the outer loss"})
+    attn: str = field(default="eager", metadata={"choices": ["eager", "hvp"],
+                                                 "help": "attention for twice-differentiated passes"})
+
+    def __post_init__(self):
+        if self.K < 0 or self.K_eval < -1:
+            raise ValueError(f"--K must be >= 0 and --K_eval >= 0 (or -1), got K={self.K}, K_eval={self.K_eval}")
+        if not 0 < self.alpha < float("inf"):
+            raise ValueError(f"--alpha (inner lr) must be finite and > 0, got {self.alpha}")
+        if self.n_mem < 1:
+            raise ValueError(f"--n_mem must be >= 1, got {self.n_mem}")
+
+
+class GradMem(nn.Module):
+    """A frozen-inside-WRITE language model plus the meta-learned M_0 (and optional WRITE head)."""
+
+    def __init__(self, model, cfg):
+        super().__init__()
+        self.model, self.cfg = model, cfg
+        self.mem0 = nn.Parameter(0.02 * torch.randn(cfg.n_mem, model.config.n_embd))  # M_0, N(0, 0.02^2)
+        self.write_head = None
+        if cfg.write_head:
+            self.write_head = nn.Linear(model.config.n_embd, model.config.vocab_size, bias=False)
+            self.write_head.weight.data.copy_(model.lm_head.weight.data)
+
+    def forward(self, ctx, q, y, K=None):
+        """Train/eval pass: WRITE ctx into memory, READ y from [M_K; q]. Returns the outer loss and parts."""
+        K = self.cfg.K if K is None else K
+        mem, info = write(self, ctx, K)
+        task_loss, logits = read_loss(self.model, mem, q, y)
+        loss = task_loss
+        if self.training and K > 0 and self.cfg.aux_write > 0:
+            loss = loss + self.cfg.aux_write * info["losses"][-1] / ctx.size(0)  # aux: L_write(M_{K-1}), batch mean
+        return dict(loss=loss, task_loss=task_loss, logits=logits, mem=mem, **info)
+
+
+def write_loss(model, head, mem, ctx, attn="sdpa"):
+    """Eq. (4): next-token NLL of every non-pad context token given [M; C]; t_1 is predicted from the
+    last memory position. Per-sample mean over tokens, summed over the batch, so a sample's gradient
+    does not depend on the batch size. Returns (loss, per-token NLL (B, T))."""
+    B, T = ctx.shape
+    m = mem.size(1)
+    x = torch.cat([mem, model.embed(ctx[:, :-1])], dim=1)      # [M; t_1..t_{T-1}]: (B, m+T-1, C)
+    logits = head(model(x, attn)[:, m - 1:])                   # positions m-1.. predict t_1..t_T
+    nll = F.cross_entropy(logits.flatten(0, 1), ctx.flatten(), reduction="none", ignore_index=PAD).view(B, T)
+    n_tok = (ctx != PAD).sum(1).clamp(min=1)
+    return (nll.sum(1) / n_tok).sum(), nll
+
+
+def write(gm, ctx, K, mem=None):
+    """WRITE, Eq. (5): K steps of gradient descent on the memory, from M_0 (or from `mem`).
+    Returns M_K (B, m, C) and info: L_write(M_k) for k < K (summed over the batch), their per-token
+    NLLs (B, T), and the mean per-sample norm of the last grad_M."""
+    cfg = gm.cfg
+    head = gm.write_head if gm.write_head is not None else gm.model.lm_head
+    train = gm.training and torch.is_grad_enabled()
+    second = train and cfg.meta_grad == "second"
+    keep_last = train and cfg.aux_write > 0                   # the aux loss backprops L_write(M_{K-1}) into theta
+    if mem is None:
+        mem = gm.mem0.expand(ctx.size(0), -1, -1)             # (B, m, C): every sample starts at M_0
+    info = dict(losses=[], nll=[], grad_norm=torch.zeros(()))
+    with torch.enable_grad():                                  # WRITE needs grad_M even when evaluating
+        for k in range(K):
+            if cfg.meta_grad == "none" or not train:        # cut the graph: nothing learns through this step
+                mem = mem.detach().requires_grad_()
+            loss, nll = write_loss(gm.model, head, mem, ctx, cfg.attn if second else "sdpa")   # Eq. (4)
+            g, = torch.autograd.grad(loss, mem, create_graph=second, retain_graph=second or (keep_last and k == K - 1))
+            mem = mem - cfg.alpha * g                          # Eq. (5): M_{k+1} = M_k - alpha grad_M L_write
+            info["losses"].append(loss if train else loss.detach())
+            info["nll"].append(nll.detach())
+            info["grad_norm"] = g.detach().flatten(1).norm(dim=1).mean()
+    return (mem if train else mem.detach()), info
+
+
+def read_loss(model, mem, q, y):
+    """READ, Eq. (8): cross-entropy of the target y given [M_K; Q] (teacher forced). Returns (loss, logits (B, L, V))."""
+    L = y.size(1)
+    x = torch.cat([mem, model.embed(q), model.embed(y[:, :-1])], dim=1)   # [M; Q; y_1..y_{L-1}]
+    logits = model.lm_head(model(x, "sdpa")[:, -L:])                   # the last query token predicts y_1
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=PAD), logits
+
+
+@torch.no_grad()
+def score(logits, y, y_mask):
+    """Exact match of all scored target tokens, and token accuracy. Teacher-forced argmax equals greedy
+    decoding here: a sample counts only if every scored token is right, in which case both agree."""
+    hit = (logits.argmax(-1) == y) | ~y_mask
+    return hit.all(1).float().mean().item(), ((hit & y_mask).sum() / y_mask.sum()).item()

@@ -1,0 +1,197 @@
+"""
+One decoder-only transformer for GradMem (arXiv:2603.13875v2), in nanoGPT's layout.
+
+GPT-2 style (learned positions, LayerNorm, GELU MLP, biases) and Llama style (RoPE, RMSNorm,
+SwiGLU, tied embeddings) are fields of one GPTConfig, not two class trees. The model takes
+*input embeddings* (B, T, C), not token ids, so GradMem can prepend its memory vectors M:
+the input of WRITE is [M; C] and of READ [M; Q; Y] (§2.2). Positions run 0..T-1 over the whole
+input, memory first.
+
+Attention is computed three ways, chosen per call (`attn=`):
+  "sdpa"  fused F.scaled_dot_product_attention: fastest, but has no double backward;
+  "eager" explicit softmax(QK^T/sqrt(hs)) V: generic autograd graph, twice differentiable;
+  "hvp"   attention_hvp.attention: the hand-derived double backward of Appendix C.
+GradMem asks for "eager"/"hvp" only on passes it differentiates twice (WRITE with create_graph).
+"""
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+
+@dataclass
+class GPTConfig:
+    # defaults: the paper's KV-retrieval model (Table 1), a 4-layer Llama of ~1.07 M parameters
+    block_size: int = 2048
+    vocab_size: int = field(default=70, metadata={"help": "vocabulary size (70 for the KV task)"})
+    n_layer: int = field(default=4, metadata={"help": "transformer layers"})
+    n_head: int = field(default=4, metadata={"help": "attention heads"})
+    n_embd: int = field(default=128, metadata={"help": "width d (memory vectors are d-dim)"})
+    n_hidden: int = field(default=512, metadata={"help": "MLP hidden width"})
+    mlp: str = field(default="swiglu", metadata={"choices": ["swiglu", "gelu"]})
+    norm: str = field(default="rms", metadata={"choices": ["rms", "layer"]})
+    pos: str = field(default="rope", metadata={"choices": ["rope", "learned"]})
+    bias: bool = False
+    tie: bool = field(default=True, metadata={"help": "tie input and output embeddings"})
+    rope_theta: float = 500000.0
+    rope_llama3: bool = field(default=True, metadata={"help": "Llama-3 RoPE frequency scaling"})
+    norm_eps: float = 1e-5
+
+
+def rope_frequencies(hs, theta, llama3):
+    """Inverse frequencies theta^(-2i/hs), i < hs/2; with llama3=True the Llama-3.1/3.2 rescaling
+    (factor 32, low/high freq factors 1/4, original context 8192) that the reference setup inherits."""
+    inv = 1.0 / theta ** (torch.arange(0, hs, 2, dtype=torch.float64) / hs)
+    if llama3:
+        factor, lo, hi, old = 32.0, 1.0, 4.0, 8192.0
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        medium = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(medium, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv
+
+
+def apply_rope(x, cos, sin):
+    """Rotate pairs (x_i, x_{i+hs/2}) by angle pos*freq_i (GPT-NeoX/HF-Llama halves layout).
+    x: (B, nh, T, hs); cos, sin: (T, hs/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def attention_eager(q, k, v):
+    """Explicit causal softmax attention, (B, nh, T, hs) -> (B, nh, T, hs). Twice differentiable."""
+    T = q.size(-2)
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+    return att @ v
+
+
+def attention(q, k, v, attn):
+    if attn == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if attn == "eager":
+        return attention_eager(q, k, v)
+    if attn == "hvp":
+        from attention_hvp import attention as attention_hvp
+        return attention_hvp(q, k, v)
+    raise ValueError(f"unknown attention implementation {attn!r} (sdpa|eager|hvp)")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, n, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def make_norm(config):
+    if config.norm == "rms":
+        return RMSNorm(config.n_embd, config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x, rope, attn):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        y = attention(q, k, v, attn)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.swiglu = config.mlp == "swiglu"
+        n_out = 2 * config.n_hidden if self.swiglu else config.n_hidden  # SwiGLU: gate and up, fused
+        self.c_fc = nn.Linear(config.n_embd, n_out, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_hidden, config.n_embd, bias=config.bias)
+
+    def forward(self, x):
+        h = self.c_fc(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.c_proj(h)
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1, self.attn = make_norm(config), CausalSelfAttention(config)
+        self.ln_2, self.mlp = make_norm(config), MLP(config)
+
+    def forward(self, x, rope, attn):
+        x = x + self.attn(self.ln_1(x), rope, attn)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=make_norm(config),
+        ))
+        if config.pos == "learned":
+            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        else:
+            inv = rope_frequencies(config.n_embd // config.n_head, config.rope_theta, config.rope_llama3)
+            self.register_buffer("rope_inv_freq", inv.float(), persistent=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scaled init of residual projections
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def embed(self, idx):
+        """Token ids (B, T) -> input embeddings (B, T, C)."""
+        return self.transformer.wte(idx)
+
+    def forward(self, x, attn="sdpa"):
+        """x: input embeddings (B, T, C) -> final hidden states (B, T, C) after ln_f.
+        Apply `self.lm_head` (or a separate WRITE head) to get logits."""
+        B, T, C = x.size()
+        assert T <= self.config.block_size, f"sequence of {T} tokens exceeds block_size {self.config.block_size}"
+        rope = None
+        if self.config.pos == "learned":
+            x = x + self.transformer.wpe(torch.arange(T, device=x.device))
+        else:
+            ang = torch.arange(T, device=x.device, dtype=self.rope_inv_freq.dtype)[:, None] * self.rope_inv_freq[None, :]
+            rope = (ang.cos().to(x.dtype), ang.sin().to(x.dtype))  # (T, hs/2) each
+        for block in self.transformer.h:
+            x = block(x, rope, attn)
+        return self.transformer.ln_f(x)

@@ -1,0 +1,342 @@
+"""
+Tests for gradmem (arXiv:2603.13875v2). CPU, float64, tiny shapes; math is checked against autograd,
+finite differences or an independent reference, never against the code under test itself.
+
+    python -m pytest -q test_all.py
+"""
+import hashlib
+import json
+import math
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import data
+import eval as eval_script
+import train
+from gradmem import GradMem, GradMemConfig, read_loss, write, write_loss
+from model import GPT, GPTConfig, apply_rope, attention, rope_frequencies
+
+torch.use_deterministic_algorithms(True)
+TINY = dict(n_layer=2, n_head=2, n_embd=16, n_hidden=32, vocab_size=len(data.VOCAB))
+
+
+def tiny_gradmem(seed=0, **gkw):
+    torch.manual_seed(seed)
+    gm = GradMem(GPT(GPTConfig(**TINY)), GradMemConfig(**{"n_mem": 3, "K": 2, "alpha": 0.7, **gkw})).double()
+    with torch.no_grad():  # break the write-head/LM-head copy so that a mix-up would show
+        gm.write_head.weight.add_(0.05 * torch.randn_like(gm.write_head.weight))
+    return gm
+
+
+def tiny_batch(B=2, n_pairs=2, seed=0):
+    return data.to_batch(*data.sample_kv(np.random.default_rng(seed), B, n_pairs))
+
+
+# ---------------------------------------------------------------- model
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_model_is_causal(attn, style):
+    kw = dict(TINY) if style == "llama" else dict(TINY, mlp="gelu", norm="layer", pos="learned", bias=True, tie=False)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**kw)).double()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    y = x.clone()
+    y[:, 5] += torch.randn(2, 16, dtype=torch.float64)   # change position 5 only
+    hx, hy = model(x, attn), model(y, attn)
+    assert torch.allclose(hx[:, :5], hy[:, :5], atol=1e-12)  # the past cannot see the future
+    assert not torch.allclose(hx[:, 5:], hy[:, 5:])
+
+
+def test_attention_impls_agree():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 2, 7, 4, dtype=torch.float64)
+    ref = torch.zeros_like(q)                          # loop-over-rows reference
+    for t in range(7):
+        s = (q[..., t:t + 1, :] * k[..., : t + 1, :]).sum(-1) / 2.0      # (B, nh, t+1); sqrt(hs) = 2
+        ref[..., t, :] = (torch.softmax(s, -1).unsqueeze(-1) * v[..., : t + 1, :]).sum(-2)
+    for impl in ("sdpa", "eager"):
+        assert torch.allclose(attention(q, k, v, impl), ref, atol=1e-12), impl
+
+
+def test_rope_matches_complex_reference():
+    hs, T = 8, 11
+    inv = rope_frequencies(hs, 10000.0, llama3=False)
+    assert torch.allclose(inv, torch.tensor([10000.0 ** (-i / 4) for i in range(4)], dtype=torch.float64))
+    x = torch.randn(1, 1, T, hs, dtype=torch.float64)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv
+    out = apply_rope(x, ang.cos(), ang.sin())
+    z = torch.complex(x[..., : hs // 2], x[..., hs // 2:]) * torch.polar(torch.ones_like(ang), ang)  # rotate by e^{i pos f}
+    assert torch.allclose(out, torch.cat([z.real, z.imag], -1), atol=1e-12)
+    # relative position: <R_m q, R_n k> depends on m - n only
+    q, k = torch.randn(2, hs, dtype=torch.float64)
+    rot = lambda v, p: apply_rope(v.view(1, 1, 1, hs), (p * inv).cos(), (p * inv).sin()).flatten()
+    assert torch.isclose(rot(q, 7) @ rot(k, 3), rot(q, 5) @ rot(k, 1))
+
+
+def test_llama3_rope_scaling():
+    inv = rope_frequencies(32, 500000.0, llama3=False)
+    scaled = rope_frequencies(32, 500000.0, llama3=True)
+    wavelen = 2 * math.pi / inv
+    assert torch.equal(scaled[wavelen < 2048], inv[wavelen < 2048])                       # high freq: untouched
+    assert torch.allclose(scaled[wavelen > 8192], inv[wavelen > 8192] / 32)               # low freq: / factor
+    mid = (wavelen >= 2048) & (wavelen <= 8192)
+    assert ((scaled[mid] < inv[mid]) & (scaled[mid] > inv[mid] / 32)).all()
+
+
+def test_param_count_matches_paper_model():
+    model = GPT(GPTConfig())
+    gm = GradMem(model, GradMemConfig())
+    assert 1.05e6 < model.num_params() < 1.07e6                       # "about 1.07 M" with the WRITE head
+    assert abs(sum(p.numel() for p in gm.parameters()) - 1.07e6) < 0.01e6
+
+
+# ---------------------------------------------------------------- GradMem WRITE / READ
+
+
+def reference_write_loss(model, head, mem, ctx):
+    """Eq. (4) by an independent route: full forward on [M; C], explicit log-softmax gather."""
+    m = mem.size(1)
+    logits = head(model(torch.cat([mem, model.embed(ctx)], 1), "eager"))
+    logp = logits.log_softmax(-1)
+    total = 0.0
+    for b in range(ctx.size(0)):
+        nll = [-logp[b, m - 1 + i, ctx[b, i]] for i in range(ctx.size(1))]   # t_i from position m-1+i
+        total = total + torch.stack(nll).mean()
+    return total
+
+
+def test_write_loss_is_eq4():
+    gm, b = tiny_gradmem(), tiny_batch()
+    mem = torch.randn(2, 3, 16, dtype=torch.float64)
+    loss, nll = write_loss(gm.model, gm.write_head, mem, b["ctx"])
+    assert torch.allclose(loss, reference_write_loss(gm.model, gm.write_head, mem, b["ctx"]), atol=1e-10)
+    # per-sample mean, summed over the batch: sample 0's gradient does not depend on who shares its batch
+    mem = mem.requires_grad_()
+    g_pair, = torch.autograd.grad(write_loss(gm.model, gm.write_head, mem, b["ctx"])[0], mem)
+    g_one, = torch.autograd.grad(write_loss(gm.model, gm.write_head, mem[:1], b["ctx"][:1])[0], mem)
+    assert torch.allclose(g_pair[0], g_one[0], atol=1e-12)
+
+
+def test_write_equals_hand_unrolled_sgd():
+    gm, b = tiny_gradmem(), tiny_batch()
+    gm.eval()
+    mem, info = write(gm, b["ctx"], K=3)
+    ref = gm.mem0.detach().expand(2, -1, -1).clone()
+    for k in range(3):                                           # Eq. (5) by hand
+        ref = ref.requires_grad_()
+        g, = torch.autograd.grad(reference_write_loss(gm.model, gm.write_head, ref, b["ctx"]), ref)
+        ref = (ref - 0.7 * g).detach()
+    assert torch.allclose(mem, ref, atol=1e-10)
+    assert len(info["losses"]) == 3
+    # K = 0 is the plain forward from M_0
+    mem0, _ = write(gm, b["ctx"], K=0)
+    assert torch.equal(mem0, gm.mem0.detach().expand(2, -1, -1))
+
+
+def outer_loss(gm, b):
+    return gm(b["ctx"], b["q"], b["y"])["loss"]
+
+
+def test_second_order_meta_gradient_matches_finite_difference():
+    gm, b = tiny_gradmem(meta_grad="second", aux_write=0.5), tiny_batch()
+    gm.train()
+    outer_loss(gm, b).backward()
+    torch.manual_seed(1)
+    for p in (gm.mem0, gm.model.transformer.h[0].attn.c_attn.weight, gm.model.transformer.h[1].mlp.c_fc.weight,
+              gm.write_head.weight):
+        d = torch.randn_like(p)
+        eps = 1e-5
+        with torch.no_grad():
+            p.add_(eps * d)
+        up = outer_loss(gm, b).item()
+        with torch.no_grad():
+            p.sub_(2 * eps * d)
+        down = outer_loss(gm, b).item()
+        with torch.no_grad():
+            p.add_(eps * d)
+        fd = (up - down) / (2 * eps)
+        assert abs(fd - (p.grad * d).sum().item()) < 1e-6 * max(1.0, abs(fd)), (fd, (p.grad * d).sum().item())
+
+
+def test_second_order_equals_autograd_through_unrolled_loop():
+    """The same meta-gradient from a plain unrolled loop written from scratch (no aux loss)."""
+    gm, b = tiny_gradmem(meta_grad="second", aux_write=0.0), tiny_batch()
+    gm.train()
+    params = [gm.mem0] + list(gm.model.parameters()) + [gm.write_head.weight]
+    got = torch.autograd.grad(outer_loss(gm, b), params, allow_unused=True)
+    mem = gm.mem0.expand(2, -1, -1)
+    for _ in range(2):
+        g, = torch.autograd.grad(reference_write_loss(gm.model, gm.write_head, mem, b["ctx"]), mem, create_graph=True)
+        mem = mem - 0.7 * g
+    want = torch.autograd.grad(read_loss(gm.model, mem, b["q"], b["y"])[0], params, allow_unused=True)
+    for a, w in zip(got, want):
+        assert (a is None and w is None) or torch.allclose(a, w, atol=1e-10)
+    assert got[-1] is not None and got[-1].abs().sum() > 0      # the WRITE head learns through WRITE
+
+
+@pytest.mark.parametrize("mode", ["first", "none"])
+def test_first_and_none_cut_the_intended_graph(mode):
+    gm, b = tiny_gradmem(meta_grad=mode, aux_write=0.0), tiny_batch()
+    gm.train()
+    params = [gm.mem0] + list(gm.model.parameters()) + [gm.write_head.weight]
+    got = torch.autograd.grad(outer_loss(gm, b), params, allow_unused=True)
+    mem = gm.mem0.expand(2, -1, -1)
+    for _ in range(2):
+        m = mem.detach().requires_grad_()
+        g, = torch.autograd.grad(reference_write_loss(gm.model, gm.write_head, m, b["ctx"]), m)
+        mem = (mem if mode == "first" else mem.detach()) - 0.7 * g.detach()   # g is a constant either way
+    want = torch.autograd.grad(read_loss(gm.model, mem, b["q"], b["y"])[0], params, allow_unused=True)
+    for a, w in zip(got, want):
+        assert (a is None and w is None) or torch.allclose(a, w, atol=1e-10)
+    assert got[-1] is None                                       # the WRITE head gets nothing through WRITE
+    if mode == "first":                                          # dL/dM_0 = sum_b dL/dM_K
+        m_K = mem.detach().requires_grad_()
+        gK, = torch.autograd.grad(read_loss(gm.model, m_K, b["q"], b["y"])[0], m_K)
+        assert torch.allclose(got[0], gK.sum(0), atol=1e-10)
+    else:
+        assert got[0] is None                                    # M_0 never trained
+
+
+def test_aux_write_loss_is_write_loss_before_last_step():
+    gm, b = tiny_gradmem(aux_write=0.5), tiny_batch()
+    gm.train()
+    out = gm(b["ctx"], b["q"], b["y"])
+    mem = gm.mem0.expand(2, -1, -1)
+    g, = torch.autograd.grad(reference_write_loss(gm.model, gm.write_head, mem, b["ctx"]), mem)
+    l1 = reference_write_loss(gm.model, gm.write_head, mem - 0.7 * g, b["ctx"])   # L_write(M_1), K = 2
+    assert torch.allclose(out["loss"], out["task_loss"] + 0.5 * l1 / 2, atol=1e-10)
+
+
+# ---------------------------------------------------------------- data
+
+
+def test_kv_format_and_tokenizer():
+    ctx, q, y = data.sample_kv(np.random.default_rng(0), 50, 5)
+    assert len(data.VOCAB) == 70 and data.VOCAB[4] == "a" and data.VOCAB[66:] == list("!?:|")
+    for c, qq, yy in zip(ctx, q, y):
+        c, qq, yy = data.decode(c), data.decode(qq), data.decode(yy)
+        assert re.fullmatch(r"(![a-zA-Z0-9]{2}:[a-zA-Z0-9]{2}!){5}\|", c), c
+        pairs = dict(re.findall(r"!(..):(..)!", c))
+        assert len(pairs) == 5                                      # keys unique
+        assert re.fullmatch(r"\?!..:", qq) and re.fullmatch(r"..!\|", yy)
+        assert pairs[qq[2:4]] == yy[:2]                              # the target is the queried key's value
+        assert data.decode(data.encode(c)) == c
+    assert (data.context_kinds(5) == np.array([[data.KEY if ch.isalnum() and i % 7 in (1, 2) else
+                                                data.VALUE if ch.isalnum() else data.SEP
+                                                for i, ch in enumerate(data.decode(ctx[0]))]])).all()
+
+
+def test_queried_key_is_uniform():
+    _, q, y = data.sample_kv(np.random.default_rng(0), 4000, 1)
+    ctx, q, _ = data.sample_kv(np.random.default_rng(1), 4000, 4)
+    pos = [data.decode(c).index("!" + data.decode(qq)[2:4] + ":") // 7 for c, qq in zip(ctx, q)]
+    counts = np.bincount(pos, minlength=4)
+    assert counts.min() > 850 and counts.max() < 1150                # 1000 each, ~4.4 sigma band
+
+
+def test_pairs_validation():
+    for bad in (0, -3, data.N_KEYS + 1):
+        with pytest.raises(ValueError, match="--pairs"):
+            data.KVTask(bad)
+    ctx, _, _ = data.sample_kv(np.random.default_rng(0), 1, data.N_KEYS)     # every key once is possible
+    assert len(set(re.findall(r"!(..):", data.decode(ctx[0])))) == data.N_KEYS
+
+
+def test_determinism_and_disjoint_eval():
+    a, b = data.KVTask(1, seed=3, n_eval=20000), data.KVTask(1, seed=3, n_eval=20000)
+    assert all(torch.equal(a.train_batch(7, 64)[k], b.train_batch(7, 64)[k]) for k in ("ctx", "q", "y"))
+    assert not torch.equal(a.train_batch(7, 64)["ctx"], a.train_batch(8, 64)["ctx"])
+    assert not np.array_equal(a.eval[0], data.KVTask(1, seed=3, eval_seed=9, n_eval=20000).eval[0])
+    # with N = 1 there are only 3844^2 contexts, so raw draws do hit the 20k held-out ones ...
+    raw = data.sample_kv(np.random.default_rng(5), 100 * 64, 1)[0]
+    assert sum(r.tobytes() in a.eval_contexts for r in raw) > 0
+    # ... and training batches never do
+    train_ctx = np.concatenate([a.train_batch(s, 64)["ctx"].numpy() for s in range(100)])
+    assert not any(r.tobytes() in a.eval_contexts for r in train_ctx)
+
+
+def test_jsonl_roundtrip(tmp_path):
+    arrays = data.sample_kv(np.random.default_rng(0), 20, 3)
+    data.save_jsonl(tmp_path / "s.jsonl", arrays)
+    back = data.load_jsonl(tmp_path / "s.jsonl")
+    assert all(np.array_equal(x, y) for x, y in zip(arrays, back))
+    (tmp_path / "bad.jsonl").write_text('{"context": "!ab:cd!|"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        data.load_jsonl(tmp_path / "bad.jsonl")
+
+
+# ---------------------------------------------------------------- train.py / eval.py end to end
+
+SMALL = ["--n_layer=1", "--n_embd=16", "--n_head=2", "--n_hidden=32", "--n_mem=2", "--pairs=2", "--batch_size=8",
+         "--n_eval=32", "--eval_interval=2", "--log_interval=1", "--device=cpu"]
+
+
+def sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_train_then_eval_smoke(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    last = train.main(SMALL + ["--K=1", "--max_steps=2", f"--out_dir={out}"])
+    assert last["step"] == 2 and 0 <= last["em"] <= 1
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)        # plain types only
+    assert ckpt["step"] == 2 and ckpt["config"]["train"]["pairs"] == 2
+    recs = [json.loads(l) for l in open(os.path.join(out, "log.jsonl"))]
+    assert [r["kind"] for r in recs] == ["header", "train", "train", "eval"]
+    res = eval_script.main([os.path.join(out, "best.pt"), "--K_eval", "0", "1", "3"])
+    assert [r["K_eval"] for r in res] == [0, 1, 3]
+    assert res[1]["em"] == pytest.approx(last["em"]) and res[1]["acc"] == pytest.approx(last["acc"])
+    assert res[0]["write_loss_all"] > res[1]["write_loss_all"]              # a WRITE step lowers L_write
+    assert json.load(open(os.path.join(out, "eval.json")))["results"][2]["K_eval"] == 3
+
+
+def test_resume_is_exact(tmp_path):
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    train.main(SMALL + ["--K=1", "--max_steps=4", f"--out_dir={full}"])
+    train.main(SMALL + ["--K=1", "--max_steps=2", f"--out_dir={part}"])
+    train.main(SMALL + ["--K=1", "--max_steps=4", f"--out_dir={part}", "--resume"])
+    a = torch.load(os.path.join(full, "ckpt.pt"), weights_only=True)
+    b = torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    steps = [json.loads(l).get("step") for l in open(os.path.join(part, "log.jsonl"))]
+    assert steps.count(3) == 1 and steps.count(4) == 2                       # one train and one eval record
+
+
+def run_fails(argv, match):
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    assert isinstance(e.value.code, str) and re.search(match, e.value.code), e.value.code
+    assert "\n" not in e.value.code
+
+
+def test_bad_input_fails_cleanly_and_keeps_checkpoints(tmp_path):
+    good = str(tmp_path / "good")
+    train.main(SMALL + ["--K=1", "--max_steps=2", f"--out_dir={good}"])
+    ck = os.path.join(good, "ckpt.pt")
+    before = sha(ck)
+    run_fails(SMALL + ["--pairs=0", f"--out_dir={tmp_path}/x"], "--pairs")
+    run_fails(SMALL + ["--K=-1", f"--out_dir={tmp_path}/x"], "--K")
+    run_fails(SMALL + ["--alpha=0", f"--out_dir={tmp_path}/x"], "--alpha")
+    run_fails(SMALL + ["--max_steps=3", f"--out_dir={good}"], "--resume")                     # would overwrite
+    run_fails(SMALL + ["--max_steps=3", f"--out_dir={good}", "--resume", "--n_embd=32"], "n_embd")
+    run_fails(SMALL + ["--max_steps=3", f"--out_dir={good}", "--resume", "--alpha=0.3"], "alpha")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/y", f"--init_from={tmp_path}/missing.pt"], "not found")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/y", f"--init_from={tmp_path}/junk.pt"], "cannot read")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/y", f"--init_from={ck}", "--n_layer=2"], "n_layer")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--alpha=inf"], "--alpha")
+    # a diverging run stops with the step number and writes no checkpoint
+    run_fails(SMALL + [f"--out_dir={tmp_path}/z", f"--init_from={ck}", "--lr=1e30", "--max_steps=3"],
+              "non-finite loss at step 1")
+    assert not os.path.exists(tmp_path / "z" / "ckpt.pt")
+    assert sha(ck) == before
+    # curriculum: a larger --pairs run starts from the smaller run's weights
+    train.main(SMALL + ["--pairs=3", "--max_steps=1", f"--out_dir={tmp_path}/cur", f"--init_from={ck}"])
+    assert sha(ck) == before

@@ -1,0 +1,320 @@
+"""
+Train GradMem (arXiv:2603.13875v2) on associative key-value retrieval (§3.1, Table 1).
+
+    python train.py --task kv --pairs 8 --K 1                       # from scratch
+    python train.py --task kv --pairs 16 --K 1 --init_from out/kv8/best.pt --out_dir out/kv16   # curriculum
+    python train.py --out_dir out/kv8 --resume                      # continue a run exactly
+    python train.py --pairs 16 --K 5 --batch_size 32 --bench 5      # median s/step and peak memory
+
+Every flag is a field of GPTConfig (model.py), GradMemConfig (gradmem.py) or TrainConfig (below).
+"""
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+from tqdm import tqdm
+
+from data import VOCAB, KVTask, save_jsonl
+from gradmem import GradMem, GradMemConfig, score
+from model import GPT, GPTConfig
+
+
+@dataclass
+class TrainConfig:
+    task: str = field(default="kv", metadata={"choices": ["kv"]})
+    pairs: int = field(default=16, metadata={"help": "key-value pairs N per context, §3.1"})
+    batch_size: int = field(default=64, metadata={"help": "effective batch (split over --grad_accum)"})
+    grad_accum: int = 1
+    lr: float = field(default=1e-3, metadata={"help": "AdamW peak lr (paper: 1e-4, see README deviations)"})
+    warmup: int = field(default=200, metadata={"help": "linear warmup steps, constant lr after"})
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    max_steps: int = 20000
+    eval_interval: int = 250
+    log_interval: int = 50
+    n_eval: int = field(default=1000, metadata={"help": "held-out samples"})
+    eval_seed: int = 12345
+    target_em: float = field(default=1.0, metadata={"help": "stop once held-out EM reaches this"})
+    patience: int = field(default=0, metadata={"help": "stop after this many evals without a better EM (0: never)"})
+    train_file: str = field(default="", metadata={"help": "train from this JSONL split instead of on-the-fly data"})
+    eval_file: str = field(default="", metadata={"help": "evaluate on this JSONL split"})
+    write_split: int = field(default=0, metadata={"help": "write N train samples and the eval set to out_dir as JSONL, then exit"})
+    out_dir: str = "out"
+    resume: bool = False
+    init_from: str = field(default="", metadata={"help": "start from this checkpoint's weights (curriculum over --pairs)"})
+    device: str = field(default="auto", metadata={"choices": ["auto", "cpu", "cuda"]})
+    dtype: str = field(default="float32", metadata={"choices": ["float32", "bfloat16"]})
+    seed: int = 0
+    bench: int = field(default=0, metadata={"help": "time this many steps after warm-up, print median s/step and peak memory"})
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.grad_accum < 1 or self.batch_size % self.grad_accum:
+            raise ValueError(f"--batch_size ({self.batch_size}) must be a positive multiple of --grad_accum ({self.grad_accum})")
+        if self.resume and self.init_from:
+            raise ValueError("--resume and --init_from exclude each other")
+        if not self.lr > 0 or self.max_steps < 0 or self.eval_interval < 1 or self.log_interval < 1:
+            raise ValueError("--lr must be > 0, --max_steps >= 0, --eval_interval and --log_interval >= 1")
+
+
+CONFIGS = {"model": GPTConfig, "gradmem": GradMemConfig, "train": TrainConfig}
+NOT_FLAGS = {"vocab_size", "block_size"}  # set by the task
+# fields a resumed run may change; every other field must equal the checkpoint's
+RESUMABLE = {"K_eval", "attn", "grad_accum", "max_steps", "eval_interval", "log_interval", "target_em", "patience",
+             "resume", "init_from", "device", "bench", "out_dir", "write_split"}
+
+
+class RunError(Exception):
+    """Bad input or a diverging run: main prints it as one line and exits non-zero."""
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    seen = set()
+    for cls in CONFIGS.values():
+        for f in fields(cls):
+            if f.name in NOT_FLAGS:
+                continue
+            assert f.name not in seen, f"flag --{f.name} defined twice"
+            seen.add(f.name)
+            kw = dict(type=f.type, default=f.default, help=f.metadata.get("help"), choices=f.metadata.get("choices"))
+            if f.type is bool:
+                kw = dict(action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata.get("help"))
+            p.add_argument(f"--{f.name}", **kw)
+    args = vars(p.parse_args(argv))
+    try:
+        return {k: cls(**{f.name: args[f.name] for f in fields(cls) if f.name in args}) for k, cls in CONFIGS.items()}
+    except ValueError as e:
+        raise RunError(str(e)) from None
+
+
+def load_checkpoint(path):
+    if not os.path.isfile(path):
+        raise RunError(f"checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        assert isinstance(ckpt, dict) and {"model", "config", "step"} <= ckpt.keys()
+    except Exception as e:
+        raise RunError(f"cannot read checkpoint {path}: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else 'not a gradmem checkpoint'}") from None
+    return ckpt
+
+
+def check_match(path, saved, cfgs, sections, skip=RESUMABLE):
+    """Raise naming the first config field that differs between the checkpoint and this run."""
+    for sec in sections:
+        for name, value in asdict(cfgs[sec]).items():
+            if name in skip or name in NOT_FLAGS:
+                continue
+            if name not in saved.get(sec, {}):
+                raise RunError(f"checkpoint {path} has no config field {sec}.{name}")
+            if saved[sec][name] != value:
+                raise RunError(f"checkpoint {path} has {name}={saved[sec][name]!r} but this run has {name}={value!r}")
+
+
+def save_checkpoint(path, gm, opt, step, best_em, cfgs):
+    ckpt = {"model": gm.state_dict(), "optimizer": opt.state_dict(), "step": step, "best_em": best_em,
+            "config": {k: asdict(c) for k, c in cfgs.items()}, "rng": torch.get_rng_state()}
+    torch.save(ckpt, path + ".tmp")
+    os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written checkpoint
+
+
+def build(cfgs):
+    mcfg = cfgs["model"]
+    mcfg.vocab_size = len(VOCAB)
+    return GradMem(GPT(mcfg), cfgs["gradmem"])
+
+
+@torch.no_grad()
+def evaluate(gm, task, K, device, batch_size=250):
+    """Held-out exact match and token accuracy of the value characters after K WRITE steps."""
+    gm.eval()
+    em = acc = wl = 0.0
+    n = 0
+    for b in task.eval_batches(batch_size, device):
+        out = gm(b["ctx"], b["q"], b["y"], K=K)
+        e, a = score(out["logits"], b["y"], b["y_mask"])
+        B = b["y"].size(0)
+        em, acc, n = em + e * B, acc + a * B, n + B
+        wl += out["losses"][0].item() if out["losses"] else 0.0  # summed over the batch
+    gm.train()
+    return dict(em=em / n, acc=acc / n, write_loss0=wl / n)
+
+
+def train_step(gm, opt, task, step, tcfg, device, autocast):
+    """One optimizer step on batch `step` (split into grad_accum micro-batches). Returns logged scalars."""
+    batch = task.train_batch(step, tcfg.batch_size, device)
+    micro = tcfg.batch_size // tcfg.grad_accum
+    logs = dict(loss=0.0, task_loss=0.0, write_loss=0.0, em=0.0, g_mem=0.0)
+    for i in range(tcfg.grad_accum):
+        b = {k: v[i * micro:(i + 1) * micro] for k, v in batch.items()}
+        with autocast:
+            out = gm(b["ctx"], b["q"], b["y"])
+        wl = out["losses"][0].item() / micro if out["losses"] else 0.0
+        if not (math.isfinite(out["loss"].item()) and math.isfinite(wl)):
+            raise RunError(f"non-finite loss at step {step} (task {out['task_loss'].item()}, WRITE {wl}); "
+                           "stopped without saving (try a smaller --alpha or --lr)")
+        (out["loss"] / tcfg.grad_accum).backward()
+        for k, v in (("loss", out["loss"].item()), ("task_loss", out["task_loss"].item()), ("write_loss", wl),
+                     ("em", score(out["logits"], b["y"], b["y_mask"])[0]), ("g_mem", out["grad_norm"].item())):
+            logs[k] += v / tcfg.grad_accum
+    norm = torch.nn.utils.clip_grad_norm_(gm.parameters(), tcfg.grad_clip)
+    if not torch.isfinite(norm):
+        raise RunError(f"non-finite gradient norm at step {step}; stopped without saving")
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    logs["norm"] = norm.item()
+    return logs
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        return ""
+
+
+def run(cfgs, argv):
+    tcfg, gcfg = cfgs["train"], cfgs["gradmem"]
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if tcfg.device == "auto" else tcfg.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RunError("--device cuda but no CUDA device is available")
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" and tcfg.dtype == "bfloat16"
+                else nullcontext())
+    torch.manual_seed(tcfg.seed)
+    try:
+        task = KVTask(tcfg.pairs, tcfg.seed, tcfg.eval_seed, tcfg.n_eval, tcfg.train_file or None, tcfg.eval_file or None)
+    except (ValueError, OSError) as e:
+        raise RunError(str(e)) from None
+    os.makedirs(tcfg.out_dir, exist_ok=True)
+    if tcfg.write_split:
+        save_jsonl(os.path.join(tcfg.out_dir, "train.jsonl"), sample_kv_split(task, tcfg.write_split))
+        save_jsonl(os.path.join(tcfg.out_dir, "eval.jsonl"), task.eval)
+        print(f"wrote {tcfg.write_split} train and {len(task.eval[0])} eval samples to {tcfg.out_dir}")
+        return None
+    gm = build(cfgs).to(device)
+    opt = torch.optim.AdamW(gm.parameters(), lr=tcfg.lr, betas=(0.9, 0.999), weight_decay=tcfg.weight_decay)
+    ckpt_path, step, best_em = os.path.join(tcfg.out_dir, "ckpt.pt"), 0, -1.0
+    if tcfg.resume:
+        ckpt = load_checkpoint(ckpt_path)
+        check_match(ckpt_path, ckpt["config"], cfgs, ["model", "gradmem", "train"])
+        gm.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        step, best_em = ckpt["step"], ckpt["best_em"]
+        torch.set_rng_state(ckpt["rng"])
+    elif tcfg.init_from:
+        ckpt = load_checkpoint(tcfg.init_from)
+        check_match(tcfg.init_from, ckpt["config"], cfgs, ["model"])
+        check_match(tcfg.init_from, ckpt["config"], cfgs, ["gradmem"], skip=RESUMABLE | {"K", "alpha", "meta_grad", "aux_write"})
+        gm.load_state_dict(ckpt["model"])
+    elif not tcfg.bench and os.path.exists(ckpt_path):
+        raise RunError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out_dir")
+    if tcfg.bench:
+        return bench(gm, opt, task, tcfg, device, autocast)
+    print(f"GradMem: {gm.model.num_params() / 1e6:.3f} M model parameters + {gm.mem0.numel()} memory floats "
+          f"(m={gcfg.n_mem}, d={gm.mem0.size(1)}), {gcfg.n_mem * gm.mem0.size(1)} floats of memory state; device {device}")
+    header = dict(kind="header", argv=argv, config={k: asdict(c) for k, c in cfgs.items()}, torch=torch.__version__,
+                  commit=git_commit(), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                  threads=torch.get_num_threads(), resumed_at=step)
+    with open(os.path.join(tcfg.out_dir, "config.json"), "w") as f:
+        json.dump(header, f, indent=1)
+    log_path = os.path.join(tcfg.out_dir, "log.jsonl")
+    keep_log(log_path, step)
+
+    def log(rec):
+        with open(log_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    log(header)
+    K_eval = gcfg.K if gcfg.K_eval < 0 else gcfg.K_eval
+    t0, last, since_best = time.time(), None, 0
+    bar = tqdm(range(step, tcfg.max_steps), initial=step, total=tcfg.max_steps, dynamic_ncols=True, disable=None)
+    for step in bar:
+        lr = tcfg.lr * min(1.0, (step + 1) / max(1, tcfg.warmup))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        logs = train_step(gm, opt, task, step, tcfg, device, autocast)
+        done = step + 1
+        if done % tcfg.log_interval == 0:
+            rec = dict(kind="train", step=done, lr=lr, time=time.time() - t0, **logs)
+            log(rec)
+            tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items() if k != "kind"))
+        bar.set_postfix(loss=f"{logs['loss']:.3f}", em=f"{last['em']:.3f}" if last else "-")
+        if done % tcfg.eval_interval == 0 or done == tcfg.max_steps:
+            last = dict(kind="eval", step=done, K_eval=K_eval, time=time.time() - t0, **evaluate(gm, task, K_eval, device))
+            log(last)
+            tqdm.write(f"eval step {done}: EM {last['em']:.4f} | token acc {last['acc']:.4f} | WRITE loss(M_0) {last['write_loss0']:.3f}")
+            if last["em"] > best_em:
+                best_em, since_best = last["em"], 0
+                save_checkpoint(os.path.join(tcfg.out_dir, "best.pt"), gm, opt, done, best_em, cfgs)
+            else:
+                since_best += 1
+            save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs)
+            if last["em"] >= tcfg.target_em:
+                tqdm.write(f"reached target EM {tcfg.target_em} at step {done} ({time.time() - t0:.0f} s)")
+                break
+            if tcfg.patience and since_best >= tcfg.patience:
+                tqdm.write(f"no better EM for {tcfg.patience} evaluations: stopping at step {done}")
+                break
+    bar.close()
+    return last
+
+
+def keep_log(path, step):
+    """On resume, drop log records past the checkpoint's step (they will be produced again)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        recs = [line for line in f if json.loads(line).get("step", 0) <= step and json.loads(line)["kind"] != "header"]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(recs)
+    os.replace(path + ".tmp", path)
+
+
+def sample_kv_split(task, n):
+    rows = [task.train_batch(s, 1000) for s in range((n + 999) // 1000)]
+    return tuple(torch.cat([r[k] for r in rows])[:n].numpy() for k in ("ctx", "q", "y"))
+
+
+def peak_memory_gb(device):
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def bench(gm, opt, task, tcfg, device, autocast):
+    """Median wall time of one optimizer step after 2 warm-up steps, and peak memory (RSS on CPU)."""
+    times = []
+    for step in range(tcfg.bench + 2):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        train_step(gm, opt, task, step, tcfg, device, autocast)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    res = dict(median_s_per_step=statistics.median(times[2:]), peak_gb=peak_memory_gb(device), device=device,
+               threads=torch.get_num_threads(), pairs=tcfg.pairs, batch_size=tcfg.batch_size, K=gm.cfg.K,
+               attn=gm.cfg.attn, steps=tcfg.bench)
+    print(json.dumps(res))
+    return res
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return run(parse_args(argv), argv)
+    except RunError as e:
+        sys.exit(f"train.py: error: {e}")
+
+
+if __name__ == "__main__":
+    main()
