@@ -31,7 +31,7 @@ class GradMemConfig:
     meta_grad: str = field(default="second", metadata={"choices": ["second", "first", "none"]})
     write_head: bool = field(default=True, metadata={"help": "separate WRITE head, init from the LM head (App. B)"})
     aux_write: float = field(default=0.5, metadata={"help": "weight of the auxiliary WRITE loss in the outer loss"})
-    attn: str = field(default="eager", metadata={"choices": ["eager", "hvp"],
+    attn: str = field(default="hvp", metadata={"choices": ["hvp", "eager"],
                                                  "help": "attention for twice-differentiated passes"})
 
     def __post_init__(self):

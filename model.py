@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attention_hvp import attention as attention_hvp
+
 
 
 @dataclass
@@ -77,7 +79,6 @@ def attention(q, k, v, attn):
     if attn == "eager":
         return attention_eager(q, k, v)
     if attn == "hvp":
-        from attention_hvp import attention as attention_hvp
         return attention_hvp(q, k, v)
     raise ValueError(f"unknown attention implementation {attn!r} (sdpa|eager|hvp)")
 

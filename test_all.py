@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import attention_hvp
 import data
 import eval as eval_script
 import train
@@ -95,6 +96,58 @@ def test_param_count_matches_paper_model():
     gm = GradMem(model, GradMemConfig())
     assert 1.05e6 < model.num_params() < 1.07e6                       # "about 1.07 M" with the WRITE head
     assert abs(sum(p.numel() for p in gm.parameters()) - 1.07e6) < 0.01e6
+
+
+# ---------------------------------------------------------------- attention_hvp (Appendix C)
+
+
+def padded_mask(B, T, left=True):
+    m = torch.ones(B, T, dtype=torch.bool)
+    m[0, T - 2:] = False          # right padding
+    if B > 1 and left:
+        m[1, :2] = False          # left padding: the first rows see no key at all (output 0)
+    return m
+
+
+@pytest.mark.parametrize("shape,pad,block", [((1, 1, 4, 4), False, 256), ((2, 2, 7, 3), False, 3),
+                                             ((2, 2, 7, 3), True, 3), ((1, 2, 10, 2), True, 4)])
+def test_attention_hvp_gradcheck_and_gradgradcheck(shape, pad, block, monkeypatch):
+    monkeypatch.setattr(attention_hvp, "BLOCK", block)    # small blocks exercise the causal block loop
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(*shape, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    km = padded_mask(shape[0], shape[2]) if pad else None
+    f = lambda q, k, v: attention_hvp.attention(q, k, v, km)
+    assert torch.autograd.gradcheck(f, (q, k, v))
+    assert torch.autograd.gradgradcheck(f, (q, k, v))
+
+
+@pytest.mark.parametrize("T,pad", [(5, False), (13, True), (37, False)])
+def test_attention_hvp_matches_explicit_attention_twice_differentiated(T, pad, monkeypatch):
+    monkeypatch.setattr(attention_hvp, "BLOCK", 8)
+    torch.manual_seed(T)
+    q, k, v = (torch.randn(2, 3, T, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    w, u = torch.randn(2, 2, 3, T, 4, dtype=torch.float64)
+    km = padded_mask(2, T, left=False) if pad else None   # the explicit reference has NaN grads on empty rows
+    results = []
+    for fn in (attention_hvp.attention, attention_hvp.attention_reference):
+        o = fn(q, k, v, km)
+        dq, dk, dv = torch.autograd.grad((o * w).sum(), (q, k, v), create_graph=True)
+        second = torch.autograd.grad((dq * u).sum() + (dk ** 2).sum() + (dv * dq).sum(), (q, k, v))
+        results.append([o, dq, dk, dv, *second])
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+def test_gradmem_meta_gradient_same_with_hvp_and_explicit_attention():
+    b = tiny_batch(n_pairs=3)
+    grads = []
+    for attn in ("hvp", "eager"):
+        gm = tiny_gradmem(attn=attn, K=2)
+        gm.train()
+        outer_loss(gm, b).backward()
+        grads.append([p.grad for p in gm.parameters()])
+    for a, c in zip(*grads):
+        assert torch.allclose(a, c, atol=1e-12, rtol=1e-9)
 
 
 # ---------------------------------------------------------------- GradMem WRITE / READ

@@ -1,0 +1,188 @@
+"""
+Causal attention with a hand-derived double backward, for GradMem's second-order meta-gradient
+("GradMem: Learning to Write Context into Memory with Test-Time Gradient Descent", arXiv:2603.13875v2,
+§4 and Appendix C). Fused SDPA/FlashAttention have no double backward, and autograd's generic graph through
+explicit softmax attention keeps several (B, nh, T, T) tensors per layer and per WRITE step. Here nothing of
+size T x T is saved: each pass recomputes P block by block from the saved row log-sum-exp, and causal blocks
+above the diagonal are skipped.
+
+Per (batch, head), with Q, K, V, O of shape (T, hs), s = 1/sqrt(hs) and a causal (plus key-padding) mask:
+
+  forward           S = s Q K^T (masked: -inf),  L = logsumexp_rows(S),  P = exp(S - L),  O = P V
+  first backward    given dO (the VJP of O):
+                    dV = P^T dO,   dP = dO V^T,   D = rowsum(dO * O)  (= rowsum(P * dP)),
+                    dS = P * (dP - D),   dQ = s dS K,   dK = s dS^T Q
+  second backward   the first backward is a function (Q, K, V, dO) -> (dQ, dK, dV); given cotangents
+                    (gQ, gK, gV) of its outputs, Phi = <gQ, dQ> + <gK, dK> + <gV, dV> = <dS, A> + <P, dO gV^T> with
+                    A   = s (gQ K^T + Q gK^T)                    (T, T)
+                    r   = rowsum(P * A),   G = P * (A - r)       d<dS, A>/d(dP)  (D depends on dP too)
+                    W   = (dP - D) * A - r * dP + dO gV^T        dPhi/dP
+                    dS2 = P * (W - rowsum(P * W))                 through the softmax
+                    dPhi/dQ  = s (dS gK + dS2 K)
+                    dPhi/dK  = s (dS^T gQ + dS2^T Q)
+                    dPhi/dV  = G^T dO
+                    dPhi/ddO = P gV + G V
+Masked entries have P = 0, so every term that carries a factor P vanishes there. O and L enter the first
+backward only as cached functions of (Q, K, V): their dependence is inside the formulas above, so they get no
+gradient of their own.
+
+`python attention_hvp.py` benchmarks forward + backward(create_graph) + second backward against the
+explicit-math attention at T = 128 ... 2048 (B = 8, nh = 4, hs = 32), time and peak memory side by side.
+"""
+import math
+
+import torch
+
+BLOCK = 256  # at most this many query rows per block: bounds every transient to (B, nh, BLOCK, T)
+
+
+def _scores(q, k, i0, i1, key_mask):
+    """S for query rows [i0, i1) against keys [0, i1), with the causal and key-padding mask as -inf."""
+    s = (q[..., i0:i1, :] @ k[..., :i1, :].transpose(-1, -2)) / math.sqrt(q.size(-1))   # (B, nh, R, i1)
+    rows = torch.arange(i0, i1, device=q.device)[:, None]
+    allowed = torch.arange(i1, device=q.device)[None, :] <= rows                            # causal
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :i1]
+    return s.masked_fill(~allowed, float("-inf"))
+
+
+def _probs(q, k, lse, i0, i1, key_mask):
+    """P = exp(S - L) recomputed from the saved row log-sum-exp."""
+    return torch.exp(_scores(q, k, i0, i1, key_mask) - lse[..., i0:i1, :])
+
+
+def _blocks(T):
+    """Equal row blocks of at most BLOCK rows (T = 257 gives 2 blocks of 129 and 128, not 256 and 1)."""
+    n = -(-T // BLOCK)
+    edges = [T * i // n for i in range(n + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+class _AttentionBackward(torch.autograd.Function):
+    """(Q, K, V, O, L, dO) -> (dQ, dK, dV), with its own hand-written backward (the second-order terms)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, o, lse, do, key_mask):
+        scale = 1.0 / math.sqrt(q.size(-1))
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        D = (do * o).sum(-1, keepdim=True)                                    # D = rowsum(dO * O)
+        for i0, i1 in _blocks(q.size(-2)):
+            p = _probs(q, k, lse, i0, i1, key_mask)                           # (B, nh, R, i1)
+            do_r = do[..., i0:i1, :]
+            dv[..., :i1, :] += p.transpose(-1, -2) @ do_r                      # dV = P^T dO
+            ds = p * (do_r @ v[..., :i1, :].transpose(-1, -2) - D[..., i0:i1, :])   # dS = P * (dP - D)
+            dq[..., i0:i1, :] = scale * (ds @ k[..., :i1, :])                 # dQ = s dS K
+            dk[..., :i1, :] += scale * (ds.transpose(-1, -2) @ q[..., i0:i1, :])    # dK = s dS^T Q
+        ctx.save_for_backward(q, k, v, o, lse, do)
+        ctx.key_mask = key_mask
+        return dq, dk, dv
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        q, k, v, o, lse, do = ctx.saved_tensors
+        gq, gk, gv = (torch.zeros_like(q) if g is None else g for g in (gq, gk, gv))
+        scale = 1.0 / math.sqrt(q.size(-1))
+        d_q, d_k, d_v, d_do = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.empty_like(do)
+        D = (do * o).sum(-1, keepdim=True)
+        for i0, i1 in _blocks(q.size(-2)):
+            p = _probs(q, k, lse, i0, i1, ctx.key_mask)
+            q_r, do_r, gq_r = q[..., i0:i1, :], do[..., i0:i1, :], gq[..., i0:i1, :]
+            k_j, v_j, gk_j, gv_j = k[..., :i1, :], v[..., :i1, :], gk[..., :i1, :], gv[..., :i1, :]
+            dp_c = do_r @ v_j.transpose(-1, -2) - D[..., i0:i1, :]                      # dP - D
+            ds = p * dp_c                                                               # dS
+            a = scale * (gq_r @ k_j.transpose(-1, -2) + q_r @ gk_j.transpose(-1, -2))  # A = s (gQ K^T + Q gK^T)
+            r = (p * a).sum(-1, keepdim=True)                                           # r = rowsum(P * A)
+            g = p * (a - r)                                                             # G = P * (A - r)
+            w = dp_c * a - r * (dp_c + D[..., i0:i1, :]) + do_r @ gv_j.transpose(-1, -2)  # W = (dP-D)A - r dP + dO gV^T
+            ds2 = p * (w - (p * w).sum(-1, keepdim=True))                               # dS2 = P * (W - rowsum(P W))
+            d_q[..., i0:i1, :] = scale * (ds @ gk_j + ds2 @ k_j)                        # s (dS gK + dS2 K)
+            d_k[..., :i1, :] += scale * (ds.transpose(-1, -2) @ gq_r + ds2.transpose(-1, -2) @ q_r)  # s (dS^T gQ + dS2^T Q)
+            d_v[..., :i1, :] += g.transpose(-1, -2) @ do_r                              # G^T dO
+            d_do[..., i0:i1, :] = p @ gv_j + g @ v_j                                    # P gV + G V
+        return d_q, d_k, d_v, None, None, d_do, None
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, key_mask):
+        o, lse = torch.empty_like(q), torch.empty(q.shape[:-1] + (1,), dtype=q.dtype, device=q.device)
+        for i0, i1 in _blocks(q.size(-2)):
+            s = _scores(q, k, i0, i1, key_mask)
+            l = torch.logsumexp(s, dim=-1, keepdim=True)
+            l = torch.where(torch.isinf(l), torch.zeros_like(l), l)   # a row with no visible key: P = 0, O = 0
+            lse[..., i0:i1, :] = l
+            o[..., i0:i1, :] = torch.exp(s - l) @ v[..., :i1, :]      # O = P V
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.key_mask = key_mask
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        # a Function call, so that with create_graph=True the first backward is itself differentiable
+        dq, dk, dv = _AttentionBackward.apply(q, k, v, o.detach(), lse.detach(), do, ctx.key_mask)
+        return dq, dk, dv, None
+
+
+def attention(q, k, v, key_mask=None):
+    """Causal softmax attention, twice differentiable without a T x T autograd graph.
+    q, k, v: (B, nh, T, hs). key_mask: optional (B, T) bool, True for keys that may be attended to."""
+    return _Attention.apply(q, k, v, key_mask)
+
+
+def attention_reference(q, k, v, key_mask=None):
+    """Explicit-math attention (autograd differentiates it twice through softmax): the baseline."""
+    T = q.size(-2)
+    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :]
+    s = ((q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))).masked_fill(~allowed, float("-inf"))
+    return s.softmax(-1).nan_to_num(0.0) @ v
+
+
+def _bench(fn, T, device, B=8, nh=4, hs=32, reps=3):
+    """Median time and peak memory of forward + backward(create_graph) + second backward."""
+    import resource, statistics, time
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(B, nh, T, hs, generator=g).to(device).requires_grad_() for _ in range(3))
+    w = torch.randn(B, nh, T, hs, generator=g).to(device)
+    times = []
+    for i in range(reps + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if device == "cuda" else 0
+        t = time.perf_counter()
+        o = fn(q, k, v)
+        dq, dk, dv = torch.autograd.grad((o * w).sum(), (q, k, v), create_graph=True)
+        ((dq ** 2).sum() + (dk * dv).sum()).backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        q.grad = k.grad = v.grad = None
+        del o, dq, dk, dv
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else None
+    return statistics.median(times[1:]), peak
+
+
+def _cpu_peak_mb(fn, T):
+    """Peak RSS growth of one benchmark in a fresh process (CPU has no allocator statistics)."""
+    import subprocess, sys
+    code = (f"import attention_hvp as a, resource; r0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+            f"a._bench(a.{fn}, {T}, 'cpu', reps=1); print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - r0) / 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"forward + backward(create_graph) + second backward, B=8 nh=4 hs=32, {device}, "
+          f"{torch.get_num_threads()} threads; median of 3; peak = {'CUDA max allocated' if device == 'cuda' else 'RSS growth, fresh process'}")
+    print(f"{'T':>5} {'explicit s':>10} {'hvp s':>8} {'speedup':>7} {'explicit MB':>11} {'hvp MB':>8} {'mem ratio':>9}")
+    for T in (128, 256, 512, 1024, 2048):
+        te, me = _bench(attention_reference, T, device)
+        th, mh = _bench(attention, T, device)
+        if device == "cpu":
+            me, mh = _cpu_peak_mb("attention_reference", T), _cpu_peak_mb("attention", T)
+        print(f"{T:>5} {te:>10.3f} {th:>8.3f} {te / th:>6.2f}x {me:>11.0f} {mh:>8.0f} {me / max(mh, 1e-9):>8.2f}x", flush=True)
