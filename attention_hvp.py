@@ -33,22 +33,7 @@ import math
 
 import torch
 
-BLOCK = 256  # at most this many query rows per block: bounds every transient to (B, nh, BLOCK, T)
-
-
-def _scores(q, k, i0, i1, key_mask):
-    """S for query rows [i0, i1) against keys [0, i1), with the causal and key-padding mask as -inf."""
-    s = (q[..., i0:i1, :] @ k[..., :i1, :].transpose(-1, -2)) / math.sqrt(q.size(-1))   # (B, nh, R, i1)
-    rows = torch.arange(i0, i1, device=q.device)[:, None]
-    allowed = torch.arange(i1, device=q.device)[None, :] <= rows                            # causal
-    if key_mask is not None:
-        allowed = allowed & key_mask[:, None, None, :i1]
-    return s.masked_fill(~allowed, float("-inf"))
-
-
-def _probs(q, k, lse, i0, i1, key_mask):
-    """P = exp(S - L) recomputed from the saved row log-sum-exp."""
-    return torch.exp(_scores(q, k, i0, i1, key_mask) - lse[..., i0:i1, :])
+BLOCK = 256  # at most this many query rows per block: bounds every transient to (B*nh, BLOCK, T)
 
 
 def _blocks(T):
@@ -58,23 +43,45 @@ def _blocks(T):
     return list(zip(edges[:-1], edges[1:]))
 
 
+def _mask_bias(i0, i1, key_mask, nh, like):
+    """Additive mask for query rows [i0, i1) and keys [0, i1): 0 where visible (causal, key padding), else -inf."""
+    rows = torch.arange(i0, i1, device=like.device)[:, None]
+    allowed = (torch.arange(i1, device=like.device)[None, :] <= rows)[None]               # (1, R, i1)
+    if key_mask is not None:
+        allowed = allowed & key_mask.repeat_interleave(nh, 0)[:, None, :i1]             # (B*nh, R, i1)
+    return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _probs(qe, ke, i0, i1, bias):
+    """P = exp(s Q K^T - L) for rows [i0, i1): qe = [s Q, -L] and ke = [K, 1] fold the scale and the saved
+    log-sum-exp into one matmul, the mask into its additive input."""
+    return torch.baddbmm(bias, qe[:, i0:i1], ke[:, :i1].transpose(1, 2)).exp_()
+
+
+def _with(x, col):
+    """Append a column: (N, T, hs), (N, T, 1) -> (N, T, hs + 1)."""
+    return torch.cat([x, col.expand(x.shape[:-1] + (1,))], dim=-1)
+
+
 class _AttentionBackward(torch.autograd.Function):
-    """(Q, K, V, O, L, dO) -> (dQ, dK, dV), with its own hand-written backward (the second-order terms)."""
+    """(Q, K, V, O, L, dO) -> (dQ, dK, dV), with its own hand-written backward (the second-order terms).
+    All tensors are (B*nh, T, hs); L is (B*nh, T, 1)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, o, lse, do, key_mask):
+    def forward(ctx, q, k, v, o, lse, do, key_mask, nh):
         scale = 1.0 / math.sqrt(q.size(-1))
+        qe, ke = _with(scale * q, -lse), _with(k, torch.ones_like(lse))
+        D = (do * o).sum(-1, keepdim=True)                                        # D = rowsum(dO * O)
+        doe, ve = _with(do, -D), _with(v, torch.ones_like(lse))                   # [dO, -D] [V, 1]^T = dP - D
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        D = (do * o).sum(-1, keepdim=True)                                    # D = rowsum(dO * O)
-        for i0, i1 in _blocks(q.size(-2)):
-            p = _probs(q, k, lse, i0, i1, key_mask)                           # (B, nh, R, i1)
-            do_r = do[..., i0:i1, :]
-            dv[..., :i1, :] += p.transpose(-1, -2) @ do_r                      # dV = P^T dO
-            ds = p * (do_r @ v[..., :i1, :].transpose(-1, -2) - D[..., i0:i1, :])   # dS = P * (dP - D)
-            dq[..., i0:i1, :] = scale * (ds @ k[..., :i1, :])                 # dQ = s dS K
-            dk[..., :i1, :] += scale * (ds.transpose(-1, -2) @ q[..., i0:i1, :])    # dK = s dS^T Q
+        for i0, i1 in _blocks(q.size(1)):
+            p = _probs(qe, ke, i0, i1, _mask_bias(i0, i1, key_mask, nh, q))      # (N, R, i1)
+            dv[:, :i1].baddbmm_(p.transpose(1, 2), do[:, i0:i1])                  # dV = P^T dO
+            ds = (doe[:, i0:i1] @ ve[:, :i1].transpose(1, 2)).mul_(p)             # dS = P * (dP - D)
+            dq[:, i0:i1] = scale * (ds @ k[:, :i1])                               # dQ = s dS K
+            dk[:, :i1].baddbmm_(ds.transpose(1, 2), q[:, i0:i1], alpha=scale)     # dK = s dS^T Q
         ctx.save_for_backward(q, k, v, o, lse, do)
-        ctx.key_mask = key_mask
+        ctx.key_mask, ctx.nh = key_mask, nh
         return dq, dk, dv
 
     @staticmethod
@@ -82,52 +89,61 @@ class _AttentionBackward(torch.autograd.Function):
         q, k, v, o, lse, do = ctx.saved_tensors
         gq, gk, gv = (torch.zeros_like(q) if g is None else g for g in (gq, gk, gv))
         scale = 1.0 / math.sqrt(q.size(-1))
-        d_q, d_k, d_v, d_do = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.empty_like(do)
+        ones = torch.ones_like(lse)
+        qe, ke = _with(scale * q, -lse), _with(k, ones)
         D = (do * o).sum(-1, keepdim=True)
-        for i0, i1 in _blocks(q.size(-2)):
-            p = _probs(q, k, lse, i0, i1, ctx.key_mask)
-            q_r, do_r, gq_r = q[..., i0:i1, :], do[..., i0:i1, :], gq[..., i0:i1, :]
-            k_j, v_j, gk_j, gv_j = k[..., :i1, :], v[..., :i1, :], gk[..., :i1, :], gv[..., :i1, :]
-            dp_c = do_r @ v_j.transpose(-1, -2) - D[..., i0:i1, :]                      # dP - D
-            ds = p * dp_c                                                               # dS
-            a = scale * (gq_r @ k_j.transpose(-1, -2) + q_r @ gk_j.transpose(-1, -2))  # A = s (gQ K^T + Q gK^T)
-            r = (p * a).sum(-1, keepdim=True)                                           # r = rowsum(P * A)
-            g = p * (a - r)                                                             # G = P * (A - r)
-            w = dp_c * a - r * (dp_c + D[..., i0:i1, :]) + do_r @ gv_j.transpose(-1, -2)  # W = (dP-D)A - r dP + dO gV^T
-            ds2 = p * (w - (p * w).sum(-1, keepdim=True))                               # dS2 = P * (W - rowsum(P W))
-            d_q[..., i0:i1, :] = scale * (ds @ gk_j + ds2 @ k_j)                        # s (dS gK + dS2 K)
-            d_k[..., :i1, :] += scale * (ds.transpose(-1, -2) @ gq_r + ds2.transpose(-1, -2) @ q_r)  # s (dS^T gQ + dS2^T Q)
-            d_v[..., :i1, :] += g.transpose(-1, -2) @ do_r                              # G^T dO
-            d_do[..., i0:i1, :] = p @ gv_j + g @ v_j                                    # P gV + G V
-        return d_q, d_k, d_v, None, None, d_do, None
+        doe, ve = _with(do, -D), _with(v, ones)
+        sq, sgq = scale * q, scale * gq
+        d_q, d_k, d_v, d_do = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.empty_like(do)
+        for i0, i1 in _blocks(q.size(1)):
+            R, J = slice(i0, i1), slice(0, i1)
+            p = _probs(qe, ke, i0, i1, _mask_bias(i0, i1, ctx.key_mask, ctx.nh, q))
+            dp_c = doe[:, R] @ ve[:, J].transpose(1, 2)                            # dP - D
+            ds = p * dp_c                                                          # dS
+            a = torch.baddbmm(sgq[:, R] @ k[:, J].transpose(1, 2), sq[:, R], gk[:, J].transpose(1, 2))  # A = s(gQ K^T + Q gK^T)
+            r = (sgq[:, R] * (p @ k[:, J]) + sq[:, R] * (p @ gk[:, J])).sum(-1, keepdim=True)  # r = rowsum(P * A)
+            a.sub_(r)                                                              # A - r
+            g = p * a                                                              # G = P * (A - r)
+            # W = (dP - D) A - r dP + dO gV^T; its row-constant part -r D cancels in dS2, leaving (dP - D)(A - r) + dO gV^T
+            w = dp_c.mul_(a).baddbmm_(do[:, R], gv[:, J].transpose(1, 2))
+            ds2 = p * w
+            ds2.addcmul_(p, ds2.sum(-1, keepdim=True), value=-1.0)                 # dS2 = P * (W - rowsum(P * W))
+            d_q[:, R] = scale * (ds @ gk[:, J] + ds2 @ k[:, J])                    # s (dS gK + dS2 K)
+            d_k[:, J].baddbmm_(ds.transpose(1, 2), sgq[:, R]).baddbmm_(ds2.transpose(1, 2), sq[:, R])  # s (dS^T gQ + dS2^T Q)
+            d_v[:, J].baddbmm_(g.transpose(1, 2), do[:, R])                        # G^T dO
+            d_do[:, R] = (p @ gv[:, J]).baddbmm_(g, v[:, J])                       # P gV + G V
+        return d_q, d_k, d_v, None, None, d_do, None, None
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, key_mask):
+    def forward(ctx, q, k, v, key_mask, nh):
+        scale = 1.0 / math.sqrt(q.size(-1))
         o, lse = torch.empty_like(q), torch.empty(q.shape[:-1] + (1,), dtype=q.dtype, device=q.device)
-        for i0, i1 in _blocks(q.size(-2)):
-            s = _scores(q, k, i0, i1, key_mask)
+        for i0, i1 in _blocks(q.size(1)):
+            s = torch.baddbmm(_mask_bias(i0, i1, key_mask, nh, q), q[:, i0:i1], k[:, :i1].transpose(1, 2), alpha=scale)
             l = torch.logsumexp(s, dim=-1, keepdim=True)
             l = torch.where(torch.isinf(l), torch.zeros_like(l), l)   # a row with no visible key: P = 0, O = 0
-            lse[..., i0:i1, :] = l
-            o[..., i0:i1, :] = torch.exp(s - l) @ v[..., :i1, :]      # O = P V
+            lse[:, i0:i1] = l
+            o[:, i0:i1] = s.sub_(l).exp_() @ v[:, :i1]                 # O = P V, P = exp(S - L)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.key_mask = key_mask
+        ctx.key_mask, ctx.nh = key_mask, nh
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         # a Function call, so that with create_graph=True the first backward is itself differentiable
-        dq, dk, dv = _AttentionBackward.apply(q, k, v, o.detach(), lse.detach(), do, ctx.key_mask)
-        return dq, dk, dv, None
+        dq, dk, dv = _AttentionBackward.apply(q, k, v, o.detach(), lse.detach(), do.contiguous(), ctx.key_mask, ctx.nh)
+        return dq, dk, dv, None, None
 
 
 def attention(q, k, v, key_mask=None):
     """Causal softmax attention, twice differentiable without a T x T autograd graph.
     q, k, v: (B, nh, T, hs). key_mask: optional (B, T) bool, True for keys that may be attended to."""
-    return _Attention.apply(q, k, v, key_mask)
+    B, nh, T, hs = q.shape
+    flat = lambda x: x.reshape(B * nh, T, hs)
+    return _Attention.apply(flat(q), flat(k), flat(v), key_mask, nh).view(B, nh, T, hs)
 
 
 def attention_reference(q, k, v, key_mask=None):

@@ -90,7 +90,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(n))
 
     def forward(self, x):
-        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)     # x / rms(x) * weight
 
 
 def make_norm(config):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import attention_hvp
 import data
 import eval as eval_script
+import plot
 import train
 from gradmem import GradMem, GradMemConfig, read_loss, write, write_loss
 from model import GPT, GPTConfig, apply_rope, attention, rope_frequencies
@@ -66,15 +67,21 @@ def test_attention_impls_agree():
         assert torch.allclose(attention(q, k, v, impl), ref, atol=1e-12), impl
 
 
-def test_rope_matches_complex_reference():
+def test_rope_matches_rotation_reference():
     hs, T = 8, 11
     inv = rope_frequencies(hs, 10000.0, llama3=False)
     assert torch.allclose(inv, torch.tensor([10000.0 ** (-i / 4) for i in range(4)], dtype=torch.float64))
     x = torch.randn(1, 1, T, hs, dtype=torch.float64)
     ang = torch.arange(T, dtype=torch.float64)[:, None] * inv
     out = apply_rope(x, ang.cos(), ang.sin())
-    z = torch.complex(x[..., : hs // 2], x[..., hs // 2:]) * torch.polar(torch.ones_like(ang), ang)  # rotate by e^{i pos f}
-    assert torch.allclose(out, torch.cat([z.real, z.imag], -1), atol=1e-12)
+    ref = torch.empty_like(x)                # 2x2 rotation of each pair (x_i, x_{i+hs/2}), element by element
+    h = hs // 2
+    for t in range(T):
+        for i in range(h):
+            c, s = math.cos(t * inv[i].item()), math.sin(t * inv[i].item())
+            a, b = x[0, 0, t, i].item(), x[0, 0, t, i + h].item()
+            ref[0, 0, t, i], ref[0, 0, t, i + h] = a * c - b * s, a * s + b * c
+    assert torch.allclose(out, ref, atol=1e-12)
     # relative position: <R_m q, R_n k> depends on m - n only
     q, k = torch.randn(2, hs, dtype=torch.float64)
     rot = lambda v, p: apply_rope(v.view(1, 1, 1, hs), (p * inv).cos(), (p * inv).sin()).flatten()
@@ -348,6 +355,9 @@ def test_train_then_eval_smoke(tmp_path, capsys):
     assert res[1]["em"] == pytest.approx(last["em"]) and res[1]["acc"] == pytest.approx(last["acc"])
     assert res[0]["write_loss_all"] > res[1]["write_loss_all"]              # a WRITE step lowers L_write
     assert json.load(open(os.path.join(out, "eval.json")))["results"][2]["K_eval"] == 3
+    plot.main(["curves", os.path.join(out, "log.jsonl"), "-o", str(tmp_path / "c.png")])
+    plot.main(["keval", os.path.join(out, "eval.json"), "-o", str(tmp_path / "k.png")])
+    assert (tmp_path / "c.png").stat().st_size > 1000 and (tmp_path / "k.png").stat().st_size > 1000
 
 
 def test_resume_is_exact(tmp_path):
@@ -360,6 +370,18 @@ def test_resume_is_exact(tmp_path):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     steps = [json.loads(l).get("step") for l in open(os.path.join(part, "log.jsonl"))]
     assert steps.count(3) == 1 and steps.count(4) == 2                       # one train and one eval record
+
+
+def test_grad_accum_equals_full_batch(tmp_path):
+    ck = []
+    for accum in (1, 4):
+        out = str(tmp_path / f"a{accum}")
+        train.main(SMALL + ["--K=2", "--max_steps=1", f"--grad_accum={accum}", f"--out_dir={out}"])
+        ck.append(torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["optimizer"]["state"])
+    for i in ck[0]:                     # Adam's first moments are (1 - beta1) * gradient
+        assert torch.allclose(ck[0][i]["exp_avg"], ck[1][i]["exp_avg"], rtol=1e-4, atol=1e-9)
+    assert train.auto_grad_accum(64, 65, 1) == 1 and train.auto_grad_accum(64, 464, 5) == 4
+    assert train.auto_grad_accum(3, 10**6, 5) == 3                       # falls back to one sample per micro-batch
 
 
 def run_fails(argv, match):

@@ -21,6 +21,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from data import VOCAB, KVTask, save_jsonl
@@ -33,7 +34,8 @@ class TrainConfig:
     task: str = field(default="kv", metadata={"choices": ["kv"]})
     pairs: int = field(default=16, metadata={"help": "key-value pairs N per context, §3.1"})
     batch_size: int = field(default=64, metadata={"help": "effective batch (split over --grad_accum)"})
-    grad_accum: int = 1
+    grad_accum: int = field(default=0, metadata={"help": "micro-batches per step; 0: auto, each WRITE micro-batch "
+                                                         "holds at most TOKEN_STEPS tokens x K"})
     lr: float = field(default=1e-3, metadata={"help": "AdamW peak lr (paper: 1e-4, see README deviations)"})
     warmup: int = field(default=200, metadata={"help": "linear warmup steps, constant lr after"})
     weight_decay: float = 0.01
@@ -57,7 +59,7 @@ class TrainConfig:
     bench: int = field(default=0, metadata={"help": "time this many steps after warm-up, print median s/step and peak memory"})
 
     def __post_init__(self):
-        if self.batch_size < 1 or self.grad_accum < 1 or self.batch_size % self.grad_accum:
+        if self.batch_size < 1 or self.grad_accum < 0 or (self.grad_accum and self.batch_size % self.grad_accum):
             raise ValueError(f"--batch_size ({self.batch_size}) must be a positive multiple of --grad_accum ({self.grad_accum})")
         if self.resume and self.init_from:
             raise ValueError("--resume and --init_from exclude each other")
@@ -70,6 +72,15 @@ NOT_FLAGS = {"vocab_size", "block_size"}  # set by the task
 # fields a resumed run may change; every other field must equal the checkpoint's
 RESUMABLE = {"K_eval", "attn", "grad_accum", "max_steps", "eval_interval", "log_interval", "target_em", "patience",
              "resume", "init_from", "device", "bench", "out_dir", "write_split"}
+
+
+TOKEN_STEPS = 40_000  # auto --grad_accum budget: ~7 GB of saved activations on CPU fp32 (measured, README)
+
+
+def auto_grad_accum(batch_size, write_len, K):
+    """Smallest divisor of batch_size whose micro-batch keeps micro * write_len * K within TOKEN_STEPS."""
+    return next(a for a in range(1, batch_size + 1)
+                if batch_size % a == 0 and (batch_size // a) * write_len * max(K, 1) <= TOKEN_STEPS or a == batch_size)
 
 
 class RunError(Exception):
@@ -200,6 +211,9 @@ def run(cfgs, argv):
         save_jsonl(os.path.join(tcfg.out_dir, "eval.jsonl"), task.eval)
         print(f"wrote {tcfg.write_split} train and {len(task.eval[0])} eval samples to {tcfg.out_dir}")
         return None
+    if not tcfg.grad_accum:
+        write_len = task.train_batch(0, 1)["ctx"].size(1) + gcfg.n_mem
+        tcfg.grad_accum = auto_grad_accum(tcfg.batch_size, write_len, gcfg.K)
     gm = build(cfgs).to(device)
     opt = torch.optim.AdamW(gm.parameters(), lr=tcfg.lr, betas=(0.9, 0.999), weight_decay=tcfg.weight_decay)
     ckpt_path, step, best_em = os.path.join(tcfg.out_dir, "ckpt.pt"), 0, -1.0
@@ -290,6 +304,21 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
+def matmul_peak_gflops(device, n=2048):
+    """The machine's fp32 matmul throughput, measured: median of 10 (n x n) @ (n x n)."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    times = []
+    for _ in range(12):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / statistics.median(times[2:]) / 1e9
+
+
 def bench(gm, opt, task, tcfg, device, autocast):
     """Median wall time of one optimizer step after 2 warm-up steps, and peak memory (RSS on CPU)."""
     times = []
@@ -301,9 +330,14 @@ def bench(gm, opt, task, tcfg, device, autocast):
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    res = dict(median_s_per_step=statistics.median(times[2:]), peak_gb=peak_memory_gb(device), device=device,
-               threads=torch.get_num_threads(), pairs=tcfg.pairs, batch_size=tcfg.batch_size, K=gm.cfg.K,
-               attn=gm.cfg.attn, steps=tcfg.bench)
+    peak_gb = peak_memory_gb(device)
+    with FlopCounterMode(display=False) as fc:    # matmul FLOPs of one step, backward and double backward included
+        train_step(gm, opt, task, 0, tcfg, device, autocast)
+    sec = statistics.median(times[2:])
+    res = dict(median_s_per_step=sec, peak_gb=peak_gb, device=device, threads=torch.get_num_threads(),
+               pairs=tcfg.pairs, batch_size=tcfg.batch_size, grad_accum=tcfg.grad_accum, K=gm.cfg.K, attn=gm.cfg.attn,
+               steps=tcfg.bench, gflop_per_step=fc.get_total_flops() / 1e9,
+               achieved_gflops=fc.get_total_flops() / 1e9 / sec, matmul_peak_gflops=matmul_peak_gflops(device))
     print(json.dumps(res))
     return res
 

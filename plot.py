@@ -1,0 +1,88 @@
+"""
+Figures for GradMem (arXiv:2603.13875v2) from this project's own logs: reads only out_dir/log.jsonl and eval.json.
+
+    python plot.py curves results/kv4/log.jsonl results/kv8/log.jsonl -o results/curves.png   # held-out EM vs step
+    python plot.py keval results/kv8/eval.json -o results/fig4.png                           # Figure 4a/4b
+
+`curves` plots held-out exact match against training step (and wall time) for each run;
+`keval` plots EM against K_eval (Fig. 4a) and the WRITE loss on key and value tokens (Fig. 4b, App. E).
+"""
+import argparse
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def label_of(path, recs):
+    head = next((r for r in recs if r.get("kind") == "header"), None)
+    if head is None:
+        return os.path.basename(os.path.dirname(path)) or path
+    t, g = head["config"]["train"], head["config"]["gradmem"]
+    return f"{os.path.basename(os.path.dirname(path))}: N={t['pairs']} K={g['K']} {g['meta_grad']}"
+
+
+def plot_curves(paths, out):
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for path in paths:
+        recs = read_jsonl(path)
+        ev = [r for r in recs if r.get("kind") == "eval"]
+        if not ev:
+            raise ValueError(f"{path}: no eval records")
+        lab = label_of(path, recs)
+        ax1.plot([r["step"] for r in ev], [100 * r["em"] for r in ev], label=lab)
+        ax2.plot([r["time"] / 60 for r in ev], [100 * r["em"] for r in ev], label=lab)
+    ax1.set(xlabel="training step", ylabel="held-out exact match (%)", title="KV retrieval")
+    ax2.set(xlabel="wall time of the run (min)", ylabel="held-out exact match (%)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def plot_keval(paths, out):
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for path in paths:
+        with open(path) as f:
+            ev = json.load(f)
+        res = ev["results"]
+        ks = [r["K_eval"] for r in res]
+        lab = f"N={ev['pairs']}, K_train={ev['K_train']}"
+        ax1.plot(ks, [100 * r["em"] for r in res], "o-", label=lab)
+        ax1.axvline(ev["K_train"], ls="--", color="r", lw=0.8)     # extrapolation starts here (Fig. 4a)
+        ax2.plot(ks, [r["write_loss_key"] for r in res], "o-", label=f"{lab}: key tokens")
+        ax2.plot(ks, [r["write_loss_value"] for r in res], "s--", label=f"{lab}: value tokens")
+    ax1.set(xlabel="WRITE steps at test time K_eval", ylabel="exact match (%)", title="Fig. 4a: more WRITE steps")
+    ax2.set(xlabel="WRITE steps at test time K_eval", ylabel="L_write(M_K) per token (nats)", title="Fig. 4b: inner loss")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("figure", choices=["curves", "keval"])
+    p.add_argument("inputs", nargs="+", help="log.jsonl files (curves) or eval.json files (keval)")
+    p.add_argument("-o", "--out", required=True, help="output image (.png, .pdf)")
+    args = p.parse_args(argv)
+    try:
+        (plot_curves if args.figure == "curves" else plot_keval)(args.inputs, args.out)
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f"plot.py: error: {e.__class__.__name__}: {e}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
