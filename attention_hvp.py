@@ -52,15 +52,10 @@ def _mask_bias(i0, i1, key_mask, nh, like):
     return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(~allowed, float("-inf"))
 
 
-def _probs(qe, ke, i0, i1, bias):
-    """P = exp(s Q K^T - L) for rows [i0, i1): qe = [s Q, -L] and ke = [K, 1] fold the scale and the saved
-    log-sum-exp into one matmul, the mask into its additive input."""
-    return torch.baddbmm(bias, qe[:, i0:i1], ke[:, :i1].transpose(1, 2)).exp_()
-
-
-def _with(x, col):
-    """Append a column: (N, T, hs), (N, T, 1) -> (N, T, hs + 1)."""
-    return torch.cat([x, col.expand(x.shape[:-1] + (1,))], dim=-1)
+def _probs(q, k, lse, i0, i1, bias, scale):
+    """P = exp(s Q K^T + bias - L) for query rows [i0, i1) and keys [0, i1), from the saved log-sum-exp L."""
+    s = torch.baddbmm(bias, q[:, i0:i1], k[:, :i1].transpose(1, 2), alpha=scale)
+    return s.sub_(lse[:, i0:i1]).exp_()
 
 
 class _AttentionBackward(torch.autograd.Function):
@@ -70,14 +65,12 @@ class _AttentionBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, o, lse, do, key_mask, nh):
         scale = 1.0 / math.sqrt(q.size(-1))
-        qe, ke = _with(scale * q, -lse), _with(k, torch.ones_like(lse))
-        D = (do * o).sum(-1, keepdim=True)                                        # D = rowsum(dO * O)
-        doe, ve = _with(do, -D), _with(v, torch.ones_like(lse))                   # [dO, -D] [V, 1]^T = dP - D
+        neg_D = -(do * o).sum(-1, keepdim=True)                                   # -D = -rowsum(dO * O)
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for i0, i1 in _blocks(q.size(1)):
-            p = _probs(qe, ke, i0, i1, _mask_bias(i0, i1, key_mask, nh, q))      # (N, R, i1)
+            p = _probs(q, k, lse, i0, i1, _mask_bias(i0, i1, key_mask, nh, q), scale)   # (N, R, i1)
             dv[:, :i1].baddbmm_(p.transpose(1, 2), do[:, i0:i1])                  # dV = P^T dO
-            ds = (doe[:, i0:i1] @ ve[:, :i1].transpose(1, 2)).mul_(p)             # dS = P * (dP - D)
+            ds = torch.baddbmm(neg_D[:, i0:i1], do[:, i0:i1], v[:, :i1].transpose(1, 2)).mul_(p)   # dS = P * (dP - D)
             dq[:, i0:i1] = scale * (ds @ k[:, :i1])                               # dQ = s dS K
             dk[:, :i1].baddbmm_(ds.transpose(1, 2), q[:, i0:i1], alpha=scale)     # dK = s dS^T Q
         ctx.save_for_backward(q, k, v, o, lse, do)
@@ -89,16 +82,13 @@ class _AttentionBackward(torch.autograd.Function):
         q, k, v, o, lse, do = ctx.saved_tensors
         gq, gk, gv = (torch.zeros_like(q) if g is None else g for g in (gq, gk, gv))
         scale = 1.0 / math.sqrt(q.size(-1))
-        ones = torch.ones_like(lse)
-        qe, ke = _with(scale * q, -lse), _with(k, ones)
-        D = (do * o).sum(-1, keepdim=True)
-        doe, ve = _with(do, -D), _with(v, ones)
+        neg_D = -(do * o).sum(-1, keepdim=True)
         sq, sgq = scale * q, scale * gq
         d_q, d_k, d_v, d_do = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.empty_like(do)
         for i0, i1 in _blocks(q.size(1)):
             R, J = slice(i0, i1), slice(0, i1)
-            p = _probs(qe, ke, i0, i1, _mask_bias(i0, i1, ctx.key_mask, ctx.nh, q))
-            dp_c = doe[:, R] @ ve[:, J].transpose(1, 2)                            # dP - D
+            p = _probs(q, k, lse, i0, i1, _mask_bias(i0, i1, ctx.key_mask, ctx.nh, q), scale)
+            dp_c = torch.baddbmm(neg_D[:, R], do[:, R], v[:, J].transpose(1, 2))   # dP - D
             ds = p * dp_c                                                          # dS
             a = torch.baddbmm(sgq[:, R] @ k[:, J].transpose(1, 2), sq[:, R], gk[:, J].transpose(1, 2))  # A = s(gQ K^T + Q gK^T)
             r = (sgq[:, R] * (p @ k[:, J]) + sq[:, R] * (p @ gk[:, J])).sum(-1, keepdim=True)  # r = rowsum(P * A)
@@ -182,12 +172,14 @@ def _bench(fn, T, device, B=8, nh=4, hs=32, reps=3):
 
 
 def _cpu_peak_mb(fn, T):
-    """Peak RSS growth of one benchmark in a fresh process (CPU has no allocator statistics)."""
-    import subprocess, sys
-    code = (f"import attention_hvp as a, resource; r0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
-            f"a._bench(a.{fn}, {T}, 'cpu', reps=1); print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - r0) / 1024)")
+    """Peak resident-memory growth of one benchmark, in a fresh process (CPU has no allocator statistics).
+    Reads VmHWM, which a new program starts afresh (ru_maxrss would inherit the parent's peak)."""
+    import os, subprocess, sys
+    code = (f"import attention_hvp as a\n"
+            f"hwm = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\n"
+            f"h0 = hwm(); a._bench(a.{fn}, {T}, 'cpu', reps=1); print((hwm() - h0) / 1024)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
     return float(out.stdout.strip().splitlines()[-1])
 
 
