@@ -33,7 +33,7 @@ import math
 
 import torch
 
-BLOCK = 256  # at most this many query rows per block: bounds every transient to (B*nh, BLOCK, T)
+BLOCK = 128  # at most this many query rows per block: every transient is (B*nh, <= BLOCK, T)
 
 
 def _blocks(T):
