@@ -17,15 +17,17 @@ from tqdm import tqdm
 
 from data import KEY, SEP, VALUE, KVTask, context_kinds
 from gradmem import GradMem, GradMemConfig, read_loss, score, write, write_loss
-from model import GPT, GPTConfig
-from train import RunError, load_checkpoint
+from model import GPTConfig
+from train import RunError, TrainConfig, build, load_checkpoint
 
 
 def load_model(path, device="cpu"):
+    """Rebuild the model of a checkpoint from its stored config alone."""
     ckpt = load_checkpoint(path)
     cfg = ckpt["config"]
     try:
-        gm = GradMem(GPT(GPTConfig(**cfg["model"])), GradMemConfig(**cfg["gradmem"]))
+        gm = build(dict(model=GPTConfig(**cfg["model"]), gradmem=GradMemConfig(**cfg["gradmem"]),
+                        train=TrainConfig(**cfg["train"])))
         gm.load_state_dict(ckpt["model"])
     except (TypeError, ValueError, RuntimeError, KeyError) as e:
         raise RunError(f"checkpoint {path} does not rebuild a GradMem model: {str(e).splitlines()[0]}") from None
@@ -33,8 +35,23 @@ def load_model(path, device="cpu"):
 
 
 @torch.no_grad()
+def evaluate_baseline(gm, task, K_list, device, batch_size=250):
+    """EM and token accuracy of a baselines.py model for each K (RMT re-reads the context K times)."""
+    res = []
+    for K in K_list:
+        em = acc = 0.0
+        for b in task.eval_batches(batch_size, device):
+            e, a = score(gm(b["ctx"], b["q"], b["y"], K=K)["logits"], b["y"], b["y_mask"])
+            em, acc = em + e * len(b["y"]), acc + a * len(b["y"])
+        res.append(dict(K_eval=K, em=em / len(task.eval[0]), acc=acc / len(task.eval[0])))
+    return res
+
+
+@torch.no_grad()
 def evaluate_ks(gm, task, K_list, device, batch_size=250):
     """One WRITE trajectory of max(K_list) steps per batch; READ and score at every K in K_list."""
+    if not isinstance(gm, GradMem):
+        return evaluate_baseline(gm, task, K_list, device, batch_size)
     kinds = torch.as_tensor(context_kinds(task.n_pairs), device=device)
     head = gm.write_head if gm.write_head is not None else gm.model.lm_head
     sums = {K: dict(em=0.0, acc=0.0, **{f"write_loss_{n}": 0.0 for n in ("all", "key", "value", "sep")}) for K in K_list}
@@ -87,8 +104,9 @@ def main(argv=None):
     print(f"{args.ckpt}: {pairs} pairs, {len(task.eval[0])} held-out samples, trained with K={cfg['gradmem']['K']}")
     print(f"{'K_eval':>6} {'EM':>7} {'tok acc':>8} {'L_write':>8} {'key':>7} {'value':>7} {'sep':>7}")
     for r in results:
-        print(f"{r['K_eval']:>6} {r['em']:>7.4f} {r['acc']:>8.4f} {r['write_loss_all']:>8.4f} "
-              f"{r['write_loss_key']:>7.4f} {r['write_loss_value']:>7.4f} {r['write_loss_sep']:>7.4f}")
+        wl = " ".join(f"{r.get(f'write_loss_{n}', float('nan')):>{w}.4f}" for n, w in (("all", 8), ("key", 7),
+                                                                                      ("value", 7), ("sep", 7)))
+        print(f"{r['K_eval']:>6} {r['em']:>7.4f} {r['acc']:>8.4f} {wl}")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval.json")
     with open(out + ".tmp", "w") as f:
         json.dump(dict(ckpt=args.ckpt, pairs=pairs, n_eval=len(task.eval[0]), K_train=cfg["gradmem"]["K"],

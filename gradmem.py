@@ -55,6 +55,9 @@ class GradMem(nn.Module):
             self.write_head = nn.Linear(model.config.n_embd, model.config.vocab_size, bias=False)
             self.write_head.weight.data.copy_(model.lm_head.weight.data)
 
+    def memory_floats(self, ctx_len):
+        return self.mem0.numel()                                   # m x d, whatever the context length (§2.2)
+
     def forward(self, ctx, q, y, K=None):
         """Train/eval pass: WRITE ctx into memory, READ y from [M_K; q]. Returns the outer loss and parts."""
         K = self.cfg.K if K is None else K

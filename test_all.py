@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import attention_hvp
+import baselines
 import data
 import eval as eval_script
 import plot
@@ -274,6 +275,35 @@ def test_aux_write_loss_is_write_loss_before_last_step():
     assert torch.allclose(out["loss"], out["task_loss"] + 0.5 * l1 / 2, atol=1e-10)
 
 
+# ---------------------------------------------------------------- baselines
+
+
+def test_rmt_memory_is_last_hidden_states():
+    """RMT WRITE: M_{k+1} = W f([M_k; C; M_k])[-m:], checked on a one-layer toy by an explicit loop."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1))).double()
+    rmt = baselines.RMT(model, n_mem=3, K=2).double()
+    with torch.no_grad():
+        rmt.write_proj.weight.add_(0.1 * torch.randn(16, 16, dtype=torch.float64))   # not the identity any more
+    ctx = tiny_batch()["ctx"]
+    mem = rmt.mem0.expand(2, -1, -1)
+    for _ in range(2):
+        h = model(torch.cat([mem, model.transformer.wte.weight[ctx], mem], 1), "eager")   # independent lookup
+        mem = h[:, -3:] @ rmt.write_proj.weight.T + rmt.write_proj.bias
+    assert torch.allclose(rmt.write(ctx, 2), mem, atol=1e-12)
+    assert torch.equal(baselines.RMT(model, 3, 1).write_proj.weight, torch.eye(16))           # W starts at I
+
+
+def test_full_context_transformer_reads_the_context():
+    torch.manual_seed(0)
+    ft = baselines.FullContext(GPT(GPTConfig(**TINY)).double())
+    b = tiny_batch()
+    logits = ft(b["ctx"], b["q"], b["y"])["logits"]
+    seq = torch.cat([b["ctx"], b["q"], b["y"]], 1)
+    ref = ft.model.lm_head(ft.model(ft.model.embed(seq), "eager"))[:, -5:-1]   # positions predicting y
+    assert torch.allclose(logits, ref, atol=1e-12)
+
+
 # ---------------------------------------------------------------- data
 
 
@@ -358,6 +388,14 @@ def test_train_then_eval_smoke(tmp_path, capsys):
     plot.main(["curves", os.path.join(out, "log.jsonl"), "-o", str(tmp_path / "c.png")])
     plot.main(["keval", os.path.join(out, "eval.json"), "-o", str(tmp_path / "k.png")])
     assert (tmp_path / "c.png").stat().st_size > 1000 and (tmp_path / "k.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("model", ["rmt", "transformer"])
+def test_baseline_train_then_eval_smoke(model, tmp_path):
+    out = str(tmp_path / model)
+    last = train.main(SMALL + [f"--model={model}", "--K=2", "--max_steps=2", f"--out_dir={out}"])
+    res = eval_script.main([os.path.join(out, "best.pt"), "--K_eval", "2"])
+    assert res[0]["em"] == pytest.approx(last["em"]) and res[0]["acc"] == pytest.approx(last["acc"])
 
 
 def test_resume_is_exact(tmp_path):

@@ -24,6 +24,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
+from baselines import RMT, FullContext
 from data import VOCAB, KVTask, save_jsonl
 from gradmem import GradMem, GradMemConfig, score
 from model import GPT, GPTConfig
@@ -32,6 +33,8 @@ from model import GPT, GPTConfig
 @dataclass
 class TrainConfig:
     task: str = field(default="kv", metadata={"choices": ["kv"]})
+    model: str = field(default="gradmem", metadata={"choices": ["gradmem", "rmt", "transformer"],
+                                                     "help": "memory model (baselines.py); --K, --n_mem apply to rmt too"})
     pairs: int = field(default=16, metadata={"help": "key-value pairs N per context, §3.1"})
     batch_size: int = field(default=64, metadata={"help": "effective batch (split over --grad_accum)"})
     grad_accum: int = field(default=0, metadata={"help": "micro-batches per step; 0: auto, each WRITE micro-batch "
@@ -138,9 +141,14 @@ def save_checkpoint(path, gm, opt, step, best_em, cfgs):
 
 
 def build(cfgs):
-    mcfg = cfgs["model"]
+    """The model of --model around one GPT; every one returns GradMem.forward's dict."""
+    mcfg, gcfg, kind = cfgs["model"], cfgs["gradmem"], cfgs["train"].model
     mcfg.vocab_size = len(VOCAB)
-    return GradMem(GPT(mcfg), cfgs["gradmem"])
+    if kind == "rmt":
+        return RMT(GPT(mcfg), gcfg.n_mem, gcfg.K)
+    if kind == "transformer":
+        return FullContext(GPT(mcfg))
+    return GradMem(GPT(mcfg), gcfg)
 
 
 @torch.no_grad()
@@ -212,7 +220,7 @@ def run(cfgs, argv):
         print(f"wrote {tcfg.write_split} train and {len(task.eval[0])} eval samples to {tcfg.out_dir}")
         return None
     if not tcfg.grad_accum:
-        write_len = task.train_batch(0, 1)["ctx"].size(1) + gcfg.n_mem
+        write_len = task.train_batch(0, 1)["ctx"].size(1) + 2 * gcfg.n_mem
         tcfg.grad_accum = auto_grad_accum(tcfg.batch_size, write_len, gcfg.K)
     gm = build(cfgs).to(device)
     opt = torch.optim.AdamW(gm.parameters(), lr=tcfg.lr, betas=(0.9, 0.999), weight_decay=tcfg.weight_decay)
@@ -227,14 +235,17 @@ def run(cfgs, argv):
     elif tcfg.init_from:
         ckpt = load_checkpoint(tcfg.init_from)
         check_match(tcfg.init_from, ckpt["config"], cfgs, ["model"])
+        if ckpt["config"]["train"].get("model", "gradmem") != tcfg.model:
+            raise RunError(f"checkpoint {tcfg.init_from} is a {ckpt['config']['train'].get('model')} model, this run trains {tcfg.model}")
         check_match(tcfg.init_from, ckpt["config"], cfgs, ["gradmem"], skip=RESUMABLE | {"K", "alpha", "meta_grad", "aux_write"})
         gm.load_state_dict(ckpt["model"])
     elif not tcfg.bench and os.path.exists(ckpt_path):
         raise RunError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out_dir")
     if tcfg.bench:
-        return bench(gm, opt, task, tcfg, device, autocast)
-    print(f"GradMem: {gm.model.num_params() / 1e6:.3f} M model parameters + {gm.mem0.numel()} memory floats "
-          f"(m={gcfg.n_mem}, d={gm.mem0.size(1)}), {gcfg.n_mem * gm.mem0.size(1)} floats of memory state; device {device}")
+        return bench(gm, opt, task, tcfg, gcfg, device, autocast)
+    ctx_len = task.train_batch(0, 1)["ctx"].size(1)
+    print(f"{tcfg.model}: {gm.model.num_params() / 1e6:.3f} M model parameters; memory state "
+          f"{gm.memory_floats(ctx_len)} floats for a {ctx_len}-token context (App. G); device {device}")
     header = dict(kind="header", argv=argv, config={k: asdict(c) for k, c in cfgs.items()}, torch=torch.__version__,
                   commit=git_commit(), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   threads=torch.get_num_threads(), resumed_at=step)
@@ -319,7 +330,7 @@ def matmul_peak_gflops(device, n=2048):
     return 2 * n ** 3 / statistics.median(times[2:]) / 1e9
 
 
-def bench(gm, opt, task, tcfg, device, autocast):
+def bench(gm, opt, task, tcfg, gcfg, device, autocast):
     """Median wall time of one optimizer step after 2 warm-up steps, and peak memory (RSS on CPU)."""
     times = []
     for step in range(tcfg.bench + 2):
@@ -335,7 +346,7 @@ def bench(gm, opt, task, tcfg, device, autocast):
         train_step(gm, opt, task, 0, tcfg, device, autocast)
     sec = statistics.median(times[2:])
     res = dict(median_s_per_step=sec, peak_gb=peak_gb, device=device, threads=torch.get_num_threads(),
-               pairs=tcfg.pairs, batch_size=tcfg.batch_size, grad_accum=tcfg.grad_accum, K=gm.cfg.K, attn=gm.cfg.attn,
+               model=tcfg.model, pairs=tcfg.pairs, batch_size=tcfg.batch_size, grad_accum=tcfg.grad_accum, K=gcfg.K, attn=gcfg.attn,
                steps=tcfg.bench, gflop_per_step=fc.get_total_flops() / 1e9,
                achieved_gflops=fc.get_total_flops() / 1e9 / sec, matmul_peak_gflops=matmul_peak_gflops(device))
     print(json.dumps(res))
