@@ -83,6 +83,9 @@ class KVTask:
             self.eval = load_jsonl(eval_file)
         else:
             self.eval = unique_rows(sample_kv(np.random.default_rng([eval_seed, n_pairs]), n_eval, n_pairs))
+        for name, split in (("train", self.train), ("eval", self.eval)):
+            if split is not None and split[0].shape[1] != 7 * n_pairs + 1:
+                raise ValueError(f"{name} file holds {(split[0].shape[1] - 1) // 7}-pair contexts, not --pairs {n_pairs}")
         self.eval_contexts = {row.tobytes() for row in self.eval[0]}
         if self.train is not None:
             overlap = sum(row.tobytes() in self.eval_contexts for row in self.train[0])

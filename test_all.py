@@ -360,6 +360,10 @@ def test_jsonl_roundtrip(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"context": "!ab:cd!|"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         data.load_jsonl(tmp_path / "bad.jsonl")
+    task = data.KVTask(3, train_file=tmp_path / "s.jsonl", n_eval=10)           # trains from the file
+    assert all(data.decode(c) in {data.decode(r) for r in arrays[0]} for c in task.train_batch(0, 8)["ctx"].numpy())
+    with pytest.raises(ValueError, match="3-pair contexts, not --pairs 4"):
+        data.KVTask(4, train_file=tmp_path / "s.jsonl")
 
 
 # ---------------------------------------------------------------- train.py / eval.py end to end
@@ -396,6 +400,18 @@ def test_baseline_train_then_eval_smoke(model, tmp_path):
     last = train.main(SMALL + [f"--model={model}", "--K=2", "--max_steps=2", f"--out_dir={out}"])
     res = eval_script.main([os.path.join(out, "best.pt"), "--K_eval", "2"])
     assert res[0]["em"] == pytest.approx(last["em"]) and res[0]["acc"] == pytest.approx(last["acc"])
+
+
+def test_written_split_trains_byte_for_byte(tmp_path):
+    out = str(tmp_path / "split")
+    train.main(SMALL + ["--write_split=40", f"--out_dir={out}"])
+    assert sum(1 for _ in open(os.path.join(out, "train.jsonl"))) == 40
+    files = [f"--train_file={out}/train.jsonl", f"--eval_file={out}/eval.jsonl", "--max_steps=2"]
+    a = train.main(SMALL + files + [f"--out_dir={tmp_path}/a"])
+    b = train.main(SMALL + files + [f"--out_dir={tmp_path}/b"])
+    assert a["em"] == b["em"] and torch.equal(
+        torch.load(f"{tmp_path}/a/ckpt.pt", weights_only=True)["model"]["mem0"],
+        torch.load(f"{tmp_path}/b/ckpt.pt", weights_only=True)["model"]["mem0"])
 
 
 def test_resume_is_exact(tmp_path):
