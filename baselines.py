@@ -8,14 +8,22 @@ K > 1 re-reads the context K times ("x2 ... x5 memory updates" rows of Table 1).
 
 Full-context transformer (the upper bound of Table 1): the same model on [C; Q; Y]; its "memory" is the KV cache.
 
+Mamba (Gu & Dao 2023; the SSD layer of Mamba-2, Dao & Gu, ICML 2024), reading [C; Q; Y] with a per-layer state.
+Per head h (scalar decay A_h < 0), state H_t in R^{P x N}, input x_t in R^P, B_t, C_t in R^N, step dt_t > 0:
+    H_t = exp(dt_t A_h) H_{t-1} + dt_t x_t B_t^T,      y_t = H_t C_t + D_h x_t
+computed chunk by chunk: inside a chunk as a masked, decayed C B^T "attention", across chunks by passing H.
+
 Every class returns the dict GradMem.forward returns (loss, task_loss, logits, mem, losses, nll, grad_norm), so
 train.py and eval.py drive them unchanged.
 """
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from gradmem import read_loss
+from model import RMSNorm
 
 
 class RMT(nn.Module):
@@ -63,6 +71,93 @@ class FullContext(nn.Module):
         L = y.size(1)
         x = self.model.embed(torch.cat([ctx, q, y[:, :-1]], dim=1))
         logits = self.model.lm_head(self.model(x)[:, -L:])
+        task_loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=0)
+        return dict(loss=task_loss, task_loss=task_loss, logits=logits, mem=None, losses=[], nll=[],
+                    grad_norm=torch.zeros(()))
+
+
+def ssd_sequential(x, dt, A, B, C):
+    """Reference recurrence, one step at a time. x: (b, T, H, P), dt: (b, T, H), A: (H,), B, C: (b, T, N)."""
+    h = x.new_zeros(x.size(0), x.size(2), x.size(3), B.size(-1))                        # (b, H, P, N)
+    ys = []
+    for t in range(x.size(1)):
+        h = torch.exp(dt[:, t, :, None, None] * A[:, None, None]) * h \
+            + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, None, None, :]        # H_t = e^{dt A} H + dt x B^T
+        ys.append(h @ C[:, t, None, :, None])                                           # y_t = H_t C_t
+    return torch.stack(ys, 1).squeeze(-1), h
+
+
+def ssd_chunked(x, dt, A, B, C, chunk=16):
+    """The same recurrence, parallel inside chunks of `chunk` steps; returns (y (b, T, H, P), final state)."""
+    b, T, H, P = x.shape
+    h = x.new_zeros(b, H, P, B.size(-1))
+    ys = []
+    for t0 in range(0, T, chunk):
+        xs, dts, Bs, Cs = x[:, t0:t0 + chunk], dt[:, t0:t0 + chunk], B[:, t0:t0 + chunk], C[:, t0:t0 + chunk]
+        L = xs.size(1)
+        cum = torch.cumsum(dts * A, dim=1).transpose(1, 2)                              # (b, H, L): sum_{r<=t} dt_r A
+        seg = cum[..., :, None] - cum[..., None, :]                                     # (b, H, t, s): decay s -> t
+        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+        decay = torch.exp(seg.masked_fill(~causal, float("-inf")))
+        u = (dts[..., None] * xs).transpose(1, 2)                                       # (b, H, L, P): dt_s x_s
+        y = (decay * (Cs @ Bs.transpose(1, 2))[:, None]) @ u                            # intra-chunk
+        y = y + torch.exp(cum)[..., None] * (Cs[:, None] @ h.transpose(-1, -2))         # from the incoming state
+        h = torch.exp(cum[..., -1:, None]) * h \
+            + (torch.exp(cum[..., -1:] - cum)[..., None] * u).transpose(-1, -2) @ Bs[:, None]   # state at chunk end
+        ys.append(y.transpose(1, 2))
+    return torch.cat(ys, 1), h
+
+
+class Mamba2Block(nn.Module):
+    def __init__(self, d, d_state=16, headdim=32, expand=2, d_conv=4):
+        super().__init__()
+        self.d_inner, self.d_state, self.headdim = expand * d, d_state, headdim
+        self.n_heads = self.d_inner // headdim
+        conv_dim = self.d_inner + 2 * d_state
+        self.in_proj = nn.Linear(d, self.d_inner + conv_dim + self.n_heads, bias=False)   # z, [x B C], dt
+        self.conv = nn.Conv1d(conv_dim, conv_dim, d_conv, groups=conv_dim, padding=d_conv - 1)
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))
+        self.dt_bias = nn.Parameter(torch.log(torch.expm1(torch.exp(torch.empty(self.n_heads).uniform_(
+            math.log(1e-3), math.log(1e-1))))))                                           # softplus^-1 of dt in [1e-3, 0.1]
+        self.D = nn.Parameter(torch.ones(self.n_heads))
+        self.norm = RMSNorm(self.d_inner, 1e-5)
+        self.out_proj = nn.Linear(self.d_inner, d, bias=False)
+
+    def state_floats(self):
+        return self.n_heads * self.headdim * self.d_state + self.conv.in_channels * (self.conv.kernel_size[0] - 1)
+
+    def forward(self, u):
+        b, T, _ = u.shape
+        z, xBC, dt = self.in_proj(u).split([self.d_inner, self.conv.in_channels, self.n_heads], dim=-1)
+        xBC = F.silu(self.conv(xBC.transpose(1, 2))[..., :T].transpose(1, 2))              # causal depthwise conv
+        x, B, C = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
+        x = x.view(b, T, self.n_heads, self.headdim)
+        y, _ = ssd_chunked(x, F.softplus(dt + self.dt_bias), -torch.exp(self.A_log), B, C)
+        y = (y + self.D[:, None] * x).reshape(b, T, self.d_inner)
+        return self.out_proj(self.norm(y * F.silu(z)))
+
+
+class Mamba(nn.Module):
+    """A Mamba-2 language model of the GPT's width and depth, reading [C; Q; Y] (Table 1, per-layer state)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.norms = nn.ModuleList([RMSNorm(config.n_embd, 1e-5) for _ in range(config.n_layer)])
+        self.blocks = nn.ModuleList([Mamba2Block(config.n_embd) for _ in range(config.n_layer)])
+        self.ln_f = RMSNorm(config.n_embd, 1e-5)
+        nn.init.normal_(self.wte.weight, std=0.02)
+
+    def memory_floats(self, ctx_len):
+        return sum(blk.state_floats() for blk in self.blocks)
+
+    def forward(self, ctx, q, y, K=None):
+        L = y.size(1)
+        x = self.wte(torch.cat([ctx, q, y[:, :-1]], dim=1))
+        for norm, blk in zip(self.norms, self.blocks):
+            x = x + blk(norm(x))
+        logits = self.ln_f(x)[:, -L:] @ self.wte.weight.T                                 # tied output head
         task_loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=0)
         return dict(loss=task_loss, task_loss=task_loss, logits=logits, mem=None, losses=[], nll=[],
                     grad_norm=torch.zeros(()))

@@ -24,7 +24,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from baselines import RMT, FullContext
+from baselines import RMT, FullContext, Mamba
 from data import VOCAB, KVTask, save_jsonl
 from gradmem import GradMem, GradMemConfig, score
 from model import GPT, GPTConfig
@@ -33,7 +33,7 @@ from model import GPT, GPTConfig
 @dataclass
 class TrainConfig:
     task: str = field(default="kv", metadata={"choices": ["kv"]})
-    model: str = field(default="gradmem", metadata={"choices": ["gradmem", "rmt", "transformer"],
+    model: str = field(default="gradmem", metadata={"choices": ["gradmem", "rmt", "transformer", "mamba"],
                                                      "help": "memory model (baselines.py); --K, --n_mem apply to rmt too"})
     pairs: int = field(default=16, metadata={"help": "key-value pairs N per context, §3.1"})
     batch_size: int = field(default=64, metadata={"help": "effective batch (split over --grad_accum)"})
@@ -148,6 +148,8 @@ def build(cfgs):
         return RMT(GPT(mcfg), gcfg.n_mem, gcfg.K)
     if kind == "transformer":
         return FullContext(GPT(mcfg))
+    if kind == "mamba":
+        return Mamba(mcfg)
     return GradMem(GPT(mcfg), gcfg)
 
 
@@ -244,7 +246,7 @@ def run(cfgs, argv):
     if tcfg.bench:
         return bench(gm, opt, task, tcfg, gcfg, device, autocast)
     ctx_len = task.train_batch(0, 1)["ctx"].size(1)
-    print(f"{tcfg.model}: {gm.model.num_params() / 1e6:.3f} M model parameters; memory state "
+    print(f"{tcfg.model}: {sum(p.numel() for p in gm.parameters()) / 1e6:.3f} M trained parameters; memory state "
           f"{gm.memory_floats(ctx_len)} floats for a {ctx_len}-token context (App. G); device {device}")
     header = dict(kind="header", argv=argv, config={k: asdict(c) for k, c in cfgs.items()}, torch=torch.__version__,
                   commit=git_commit(), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
