@@ -8,6 +8,15 @@ K > 1 re-reads the context K times ("x2 ... x5 memory updates" rows of Table 1).
 
 Full-context transformer (the upper bound of Table 1): the same model on [C; Q; Y]; its "memory" is the KV cache.
 
+ARMT, Associative Recurrent Memory Transformer (Rodkin et al., 2024), two segments. Every layer l keeps an associative
+memory A_l (d_key x d) and a normaliser z_l (d_key), written from the layer's outputs at the m memory tokens appended
+to the context, [C; M], and read by every token of [Q; Y] before that layer:
+    phi(x)  = normalize(DPFP_nu(x)),  DPFP_nu(x) = [x'; ...; x'] * [roll(x', 1); ...; roll(x', nu)], x' = [relu x; relu -x]
+    write   k = phi(W_k t), v = W_v t, beta = sigmoid(W_b t), v_old = A^T k / (z . k)   (0 for the first write)
+            A <- A + sum_t beta_t k_t (v_t - v_old_t)^T,   z <- z + sum_t gamma_t k_t,  gamma = clip(1 - z.k / |k|^2, 0, 1)
+    read    q = phi(W_q h),  h <- h + A^T q / (z . q)
+with d_mem = 64 (d_key = 2 * 64 * nu), nu = 3, as in the paper's KV runs.
+
 Mamba (Gu & Dao 2023; the SSD layer of Mamba-2, Dao & Gu, ICML 2024), reading [C; Q; Y] with a per-layer state.
 Per head h (scalar decay A_h < 0), state H_t in R^{P x N}, input x_t in R^P, B_t, C_t in R^N, step dt_t > 0:
     H_t = exp(dt_t A_h) H_{t-1} + dt_t x_t B_t^T,      y_t = H_t C_t + D_h x_t
@@ -71,6 +80,82 @@ class FullContext(nn.Module):
         L = y.size(1)
         x = self.model.embed(torch.cat([ctx, q, y[:, :-1]], dim=1))
         logits = self.model.lm_head(self.model(x)[:, -L:])
+        task_loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=0)
+        return dict(loss=task_loss, task_loss=task_loss, logits=logits, mem=None, losses=[], nll=[],
+                    grad_norm=torch.zeros(()))
+
+
+def dpfp(x, nu=3):
+    """Deterministic parameter-free projection (Schlag et al., 2021): (..., n) -> (..., 2 n nu), non-negative."""
+    x = torch.cat([F.relu(x), F.relu(-x)], dim=-1)
+    return torch.cat([x] * nu, dim=-1) * torch.cat([x.roll(i, dims=-1) for i in range(1, nu + 1)], dim=-1)
+
+
+class AssociativeMemory(nn.Module):
+    """One layer's ARMT memory: the delta-rule write and the normalised read of the module docstring."""
+
+    def __init__(self, d, d_mem=64, nu=3, eps=1e-5):
+        super().__init__()
+        self.nu, self.eps, self.d_key = nu, eps, 2 * d_mem * nu
+        self.W_q, self.W_k = nn.Linear(d, d_mem, bias=False), nn.Linear(d, d_mem, bias=False)
+        self.W_v, self.W_b = nn.Linear(d, d, bias=False), nn.Linear(d, 1)
+        for w in (self.W_q.weight, self.W_k.weight, self.W_b.weight):
+            nn.init.uniform_(w, -d ** -0.5, d ** -0.5)
+        nn.init.zeros_(self.W_v.weight)          # the memory starts out adding nothing (ARMT's init)
+        nn.init.ones_(self.W_b.bias)
+
+    def phi(self, x):
+        return F.normalize(dpfp(x, self.nu), dim=-1)
+
+    def write(self, t, A=None, z=None):
+        """t: (B, m, d) memory-token outputs. Returns the new (A (B, d_key, d), z (B, d_key))."""
+        k, v, beta = self.phi(self.W_k(t)), self.W_v(t), torch.sigmoid(self.W_b(t))          # (B, m, d_key), (B, m, d), (B, m, 1)
+        if A is None:
+            A, z, v_old, gamma = 0.0, 0.0, torch.zeros_like(v), 1.0
+        else:
+            zk = (k @ z[..., None]) + self.eps                                                  # (B, m, 1): z . k
+            v_old = (k @ A) / zk
+            gamma = (1 - zk / (k * k).sum(-1, keepdim=True)).clamp(0, 1).detach()
+        A = A + k.transpose(1, 2) @ (beta * (v - v_old))                                        # sum_t beta k (v - v_old)^T
+        z = z + (gamma * k).sum(1)
+        return A, z
+
+    def read(self, h, A, z):
+        q = self.phi(self.W_q(h))                                                               # (B, T, d_key)
+        return (q @ A) / ((q @ z[..., None]) + self.eps)
+
+
+class ARMT(nn.Module):
+    def __init__(self, model, n_mem, d_mem=64, nu=3):
+        super().__init__()
+        self.model = model
+        d = model.config.n_embd
+        self.mem0 = nn.Parameter(0.02 * torch.randn(n_mem, d))
+        self.assoc = nn.ModuleList([AssociativeMemory(d, d_mem, nu) for _ in range(model.config.n_layer)])
+
+    def memory_floats(self, ctx_len):
+        return sum(a.d_key * (self.model.config.n_embd + 1) for a in self.assoc)
+
+    def write(self, ctx):
+        """Segment 1, [C; M]: each layer writes its memory-token outputs into its associative memory."""
+        m, state = self.mem0.size(0), [None] * len(self.assoc)
+
+        def wrap(i, block, x, rope, attn):
+            out = block(x, rope, attn)
+            state[i] = self.assoc[i].write(out[:, -m:])
+            return out
+
+        self.model(torch.cat([self.model.embed(ctx), self.mem0.expand(ctx.size(0), -1, -1)], dim=1), wrap=wrap)
+        return state
+
+    def forward(self, ctx, q, y, K=None):
+        state, L = self.write(ctx), y.size(1)
+
+        def wrap(i, block, x, rope, attn):                      # segment 2, [Q; Y]: every layer reads its memory
+            return block(x + self.assoc[i].read(x, *state[i]), rope, attn)
+
+        h = self.model(self.model.embed(torch.cat([q, y[:, :-1]], dim=1)), wrap=wrap)
+        logits = self.model.lm_head(h[:, -L:])
         task_loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=0)
         return dict(loss=task_loss, task_loss=task_loss, logits=logits, mem=None, losses=[], nll=[],
                     grad_norm=torch.zeros(()))

@@ -182,9 +182,10 @@ class GPT(nn.Module):
         """Token ids (B, T) -> input embeddings (B, T, C)."""
         return self.transformer.wte(idx)
 
-    def forward(self, x, attn="sdpa"):
+    def forward(self, x, attn="sdpa", wrap=None):
         """x: input embeddings (B, T, C) -> final hidden states (B, T, C) after ln_f.
-        Apply `self.lm_head` (or a separate WRITE head) to get logits."""
+        Apply `self.lm_head` (or a separate WRITE head) to get logits. `wrap(i, block, x, rope, attn)`, if given,
+        runs block i in place of `block(x, rope, attn)`: per-layer memories (ARMT, baselines.py) hook in there."""
         B, T, C = x.size()
         assert T <= self.config.block_size, f"sequence of {T} tokens exceeds block_size {self.config.block_size}"
         rope = None
@@ -193,6 +194,6 @@ class GPT(nn.Module):
         else:
             ang = torch.arange(T, device=x.device, dtype=self.rope_inv_freq.dtype)[:, None] * self.rope_inv_freq[None, :]
             rope = (ang.cos().to(x.dtype), ang.sin().to(x.dtype))  # (T, hs/2) each
-        for block in self.transformer.h:
-            x = block(x, rope, attn)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, rope, attn) if wrap is None else wrap(i, block, x, rope, attn)
         return self.transformer.ln_f(x)

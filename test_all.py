@@ -304,6 +304,51 @@ def test_full_context_transformer_reads_the_context():
     assert torch.allclose(logits, ref, atol=1e-12)
 
 
+def test_armt_delta_rule_matches_hand_computation():
+    torch.manual_seed(0)
+    mem = baselines.AssociativeMemory(d=6, d_mem=3, nu=2).double()
+    for w in (mem.W_v.weight, mem.W_b.weight):
+        torch.nn.init.normal_(w)
+    t1, t2, h = torch.randn(3, 1, 2, 6, dtype=torch.float64)
+    A, z = mem.write(t1)
+    A, z = mem.write(t2, A, z)
+    # by hand, token by token: phi = normalize(DPFP), features [x', x'] * [roll(x', 1), roll(x', 2)]
+    def phi(x):
+        xp = [max(e, 0.0) for e in x] + [max(-e, 0.0) for e in x]
+        n = len(xp)
+        f = [xp[i % n] * xp[(i % n - (1 + i // n)) % n] for i in range(2 * n)]
+        norm = math.sqrt(sum(e * e for e in f))
+        return torch.tensor([e / norm for e in f], dtype=torch.float64)
+    Ah, zh = torch.zeros(12, 6, dtype=torch.float64), torch.zeros(12, dtype=torch.float64)
+    for step, t in enumerate((t1[0], t2[0])):
+        ks = [phi(mem.W_k(r).tolist()) for r in t]
+        old = [Ah.T @ k / (zh @ k + 1e-5) if step else torch.zeros(6, dtype=torch.float64) for k in ks]
+        gam = [min(max(1 - (zh @ k + 1e-5).item() / (k @ k).item(), 0), 1) if step else 1.0 for k in ks]
+        for k, r, o, g in zip(ks, t, old, gam):
+            Ah = Ah + torch.sigmoid(mem.W_b(r)) * torch.outer(k, mem.W_v(r) - o)
+            zh = zh + g * k
+    assert torch.allclose(A[0], Ah, atol=1e-12) and torch.allclose(z[0], zh, atol=1e-12)
+    qh = phi(mem.W_q(h[0, 0]).tolist())
+    assert torch.allclose(mem.read(h, A, z)[0, 0], Ah.T @ qh / (zh @ qh + 1e-5), atol=1e-12)
+
+
+def test_armt_overwrites_a_key():
+    """With beta = 1, writing (k, v2) over (k, v1) makes the read of k return v2: the delta rule's correction."""
+    mem = baselines.AssociativeMemory(d=4, d_mem=2, nu=1).double()
+    with torch.no_grad():
+        mem.W_k.weight.copy_(torch.eye(4)[:2])
+        mem.W_q.weight.copy_(torch.eye(4)[:2])
+        mem.W_v.weight.copy_(torch.eye(4)[[2, 3, 2, 3]])
+        mem.W_b.weight.zero_()
+        mem.W_b.bias.fill_(40.0)                                   # beta = 1
+    t1 = torch.tensor([[[1.0, -0.5, 2.0, 3.0]]], dtype=torch.float64)
+    t2 = torch.tensor([[[1.0, -0.5, -1.0, 5.0]]], dtype=torch.float64)   # same key, new value
+    A, z = mem.write(t1)
+    assert torch.allclose(mem.read(t1, A, z), mem.W_v(t1), atol=1e-4)
+    A, z = mem.write(t2, A, z)
+    assert torch.allclose(mem.read(t1, A, z), mem.W_v(t2), atol=1e-4)
+
+
 def test_mamba_chunked_scan_equals_sequential_recurrence():
     torch.manual_seed(0)
     b, T, H, P, N = 2, 37, 3, 4, 5
@@ -407,7 +452,7 @@ def test_train_then_eval_smoke(tmp_path, capsys):
     assert (tmp_path / "c.png").stat().st_size > 1000 and (tmp_path / "k.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("model", ["rmt", "transformer", "mamba"])
+@pytest.mark.parametrize("model", ["rmt", "armt", "transformer", "mamba"])
 def test_baseline_train_then_eval_smoke(model, tmp_path):
     out = str(tmp_path / model)
     last = train.main(SMALL + [f"--model={model}", "--K=2", "--max_steps=2", f"--out_dir={out}"])
