@@ -185,6 +185,18 @@ def test_write_loss_is_eq4():
     assert torch.allclose(g_pair[0], g_one[0], atol=1e-12)
 
 
+def test_read_loss_is_eq8():
+    gm, b = tiny_gradmem(), tiny_batch()
+    mem = torch.randn(2, 3, 16, dtype=torch.float64)
+    loss, logits = read_loss(gm.model, mem, b["q"], b["y"])
+    x = torch.cat([mem, gm.model.embed(torch.cat([b["q"], b["y"]], 1))], 1)          # [M; Q; Y], all of it
+    logp = gm.model.lm_head(gm.model(x, "eager")).log_softmax(-1)
+    start = 3 + b["q"].size(1) - 1                                                    # the last query position
+    nll = [-logp[i, start + j, b["y"][i, j]] for i in range(2) for j in range(b["y"].size(1))]
+    assert torch.allclose(loss, torch.stack(nll).mean(), atol=1e-12)
+    assert torch.allclose(logits.log_softmax(-1), logp[:, start:start + b["y"].size(1)], atol=1e-12)
+
+
 def test_write_equals_hand_unrolled_sgd():
     gm, b = tiny_gradmem(), tiny_batch()
     gm.eval()
