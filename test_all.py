@@ -539,3 +539,9 @@ def test_bad_input_fails_cleanly_and_keeps_checkpoints(tmp_path):
     # curriculum: a larger --pairs run starts from the smaller run's weights
     train.main(SMALL + ["--pairs=3", "--max_steps=1", f"--out_dir={tmp_path}/cur", f"--init_from={ck}"])
     assert sha(ck) == before
+    # App. F: fewer memory vectors start from the first rows of M_0; more is an error
+    cfgs = train.parse_args(SMALL + ["--n_mem=1", f"--init_from={ck}"])
+    gm = train.build(cfgs)
+    train.init_from(gm, ck, cfgs)
+    assert torch.equal(gm.mem0, torch.load(ck, weights_only=True)["model"]["mem0"][:1])
+    run_fails(SMALL + ["--n_mem=3", f"--out_dir={tmp_path}/m3", f"--init_from={ck}"], "n_mem=2, fewer")

@@ -133,6 +133,23 @@ def check_match(path, saved, cfgs, sections, skip=RESUMABLE):
                 raise RunError(f"checkpoint {path} has {name}={saved[sec][name]!r} but this run has {name}={value!r}")
 
 
+def init_from(gm, path, cfgs):
+    """--init_from: another run's weights, for a curriculum over --pairs, another K / alpha / meta_grad, or fewer
+    memory vectors (App. F: the first n_mem rows of its M_0). The model config must match exactly."""
+    ckpt = load_checkpoint(path)
+    check_match(path, ckpt["config"], cfgs, ["model"])
+    saved = ckpt["config"]["train"].get("model", "gradmem")
+    if saved != cfgs["train"].model:
+        raise RunError(f"checkpoint {path} is a {saved} model, this run trains {cfgs['train'].model}")
+    check_match(path, ckpt["config"], cfgs, ["gradmem"], skip=RESUMABLE | {"K", "alpha", "meta_grad", "aux_write", "n_mem"})
+    state = ckpt["model"]
+    if "mem0" in state:
+        if state["mem0"].size(0) < gm.mem0.size(0):
+            raise RunError(f"checkpoint {path} has n_mem={state['mem0'].size(0)}, fewer than this run's {gm.mem0.size(0)}")
+        state["mem0"] = state["mem0"][: gm.mem0.size(0)]
+    gm.load_state_dict(state)
+
+
 def save_checkpoint(path, gm, opt, step, best_em, cfgs):
     ckpt = {"model": gm.state_dict(), "optimizer": opt.state_dict(), "step": step, "best_em": best_em,
             "config": {k: asdict(c) for k, c in cfgs.items()}, "rng": torch.get_rng_state()}
@@ -237,12 +254,7 @@ def run(cfgs, argv):
         step, best_em = ckpt["step"], ckpt["best_em"]
         torch.set_rng_state(ckpt["rng"])
     elif tcfg.init_from:
-        ckpt = load_checkpoint(tcfg.init_from)
-        check_match(tcfg.init_from, ckpt["config"], cfgs, ["model"])
-        if ckpt["config"]["train"].get("model", "gradmem") != tcfg.model:
-            raise RunError(f"checkpoint {tcfg.init_from} is a {ckpt['config']['train'].get('model')} model, this run trains {tcfg.model}")
-        check_match(tcfg.init_from, ckpt["config"], cfgs, ["gradmem"], skip=RESUMABLE | {"K", "alpha", "meta_grad", "aux_write"})
-        gm.load_state_dict(ckpt["model"])
+        init_from(gm, tcfg.init_from, cfgs)
     elif not tcfg.bench and os.path.exists(ckpt_path):
         raise RunError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out_dir")
     if tcfg.bench:
