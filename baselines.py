@@ -22,6 +22,9 @@ Per head h (scalar decay A_h < 0), state H_t in R^{P x N}, input x_t in R^P, B_t
     H_t = exp(dt_t A_h) H_{t-1} + dt_t x_t B_t^T,      y_t = H_t C_t + D_h x_t
 computed chunk by chunk: inside a chunk as a masked, decayed C B^T "attention", across chunks by passing H.
 
+TTT-Linear (Sun et al., 2025, App. H): per-head linear fast weights trained by mini-batch gradient descent on a
+reconstruction loss as the context streams by (see TTTLinear).
+
 Every class returns the dict GradMem.forward returns (loss, task_loss, logits, mem, losses, nll, grad_norm), so
 train.py and eval.py drive them unchanged.
 """
@@ -32,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradmem import read_loss
-from model import RMSNorm
+from model import MLP, RMSNorm
 
 
 class RMT(nn.Module):
@@ -222,27 +225,80 @@ class Mamba2Block(nn.Module):
         return self.out_proj(self.norm(y * F.silu(z)))
 
 
-class Mamba(nn.Module):
-    """A Mamba-2 language model of the GPT's width and depth, reading [C; Q; Y] (Table 1, per-layer state)."""
+def ttt_linear_chunk(W, q, k, v, eta):
+    """One mini-batch of TTT-Linear in dual form. Inner loss l_s(W) = |W k_s - v_s|^2 / 2, every gradient of the
+    mini-batch taken at its first W (mini-batch TTT): W_t = W - sum_{s<=t} eta_s (W k_s - v_s) k_s^T, z_t = W_t q_t.
+    W: (..., hs, hs); q, k, v: (..., b, hs); eta: (..., b). Returns z (..., b, hs) and the next W."""
+    E = k @ W.transpose(-1, -2) - v                                                     # rows W k_s - v_s
+    b = q.size(-2)
+    causal = torch.ones(b, b, dtype=torch.bool, device=q.device).tril()
+    z = q @ W.transpose(-1, -2) - ((q @ k.transpose(-1, -2)) * eta[..., None, :]).masked_fill(~causal, 0.0) @ E
+    return z, W - (eta[..., None] * E).transpose(-1, -2) @ k
 
-    def __init__(self, config):
+
+class TTTLinear(nn.Module):
+    """TTT-Linear (Sun et al., ICML 2025), simplest form: per head a linear fast weight W trained at test time on
+    the reconstruction l(W; x) = |W theta_K x - theta_V x|^2 / 2 with the learned per-token step
+    eta = eta_base / hs * sigmoid(theta_lr x), in mini-batches of `chunk` tokens; output theta_Q x read through W."""
+
+    def __init__(self, d, n_head, chunk=16, eta_base=1.0):
+        super().__init__()
+        self.nh, self.hs, self.chunk, self.eta_base = n_head, d // n_head, chunk, eta_base
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.lr = nn.Linear(d, n_head)
+        self.W0 = nn.Parameter(0.02 * torch.randn(n_head, self.hs, self.hs))
+        self.ln = nn.LayerNorm(self.hs)
+        self.o = nn.Linear(d, d, bias=False)
+
+    def state_floats(self):
+        return self.W0.numel()
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.nh, self.hs).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1))
+        eta = self.eta_base / self.hs * torch.sigmoid(self.lr(x)).transpose(1, 2)          # (B, nh, T)
+        W, zs = self.W0.expand(B, -1, -1, -1), []
+        for t0 in range(0, T, self.chunk):
+            z, W = ttt_linear_chunk(W, *(t[..., t0:t0 + self.chunk, :] for t in (q, k, v)), eta[..., t0:t0 + self.chunk])
+            zs.append(z)
+        return self.o(self.ln(torch.cat(zs, dim=2)).transpose(1, 2).reshape(B, T, C))
+
+
+class SequenceLM(nn.Module):
+    """A language model whose token mixer is a recurrent layer (Mamba-2, TTT-Linear), of the GPT's width and depth,
+    reading [C; Q; Y]: Table 1's per-layer-state baselines. With mlp=True each block also has the GPT's MLP."""
+
+    def __init__(self, config, make_mixer, mlp=False):
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.norms = nn.ModuleList([RMSNorm(config.n_embd, 1e-5) for _ in range(config.n_layer)])
-        self.blocks = nn.ModuleList([Mamba2Block(config.n_embd) for _ in range(config.n_layer)])
-        self.ln_f = RMSNorm(config.n_embd, 1e-5)
+        d = config.n_embd
+        self.wte = nn.Embedding(config.vocab_size, d)
+        self.mixers = nn.ModuleList([make_mixer() for _ in range(config.n_layer)])
+        self.norms = nn.ModuleList([RMSNorm(d, 1e-5) for _ in range(config.n_layer)])
+        self.mlps = nn.ModuleList([MLP(config) for _ in range(config.n_layer)]) if mlp else None
+        self.mlp_norms = nn.ModuleList([RMSNorm(d, 1e-5) for _ in range(config.n_layer)]) if mlp else None
+        self.ln_f = RMSNorm(d, 1e-5)
         nn.init.normal_(self.wte.weight, std=0.02)
 
     def memory_floats(self, ctx_len):
-        return sum(blk.state_floats() for blk in self.blocks)
+        return sum(mix.state_floats() for mix in self.mixers)
 
     def forward(self, ctx, q, y, K=None):
         L = y.size(1)
         x = self.wte(torch.cat([ctx, q, y[:, :-1]], dim=1))
-        for norm, blk in zip(self.norms, self.blocks):
-            x = x + blk(norm(x))
+        for i, mix in enumerate(self.mixers):
+            x = x + mix(self.norms[i](x))
+            if self.mlps is not None:
+                x = x + self.mlps[i](self.mlp_norms[i](x))
         logits = self.ln_f(x)[:, -L:] @ self.wte.weight.T                                 # tied output head
         task_loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=0)
         return dict(loss=task_loss, task_loss=task_loss, logits=logits, mem=None, losses=[], nll=[],
                     grad_norm=torch.zeros(()))
+
+
+def Mamba(config):
+    return SequenceLM(config, lambda: Mamba2Block(config.n_embd))
+
+
+def TTTLinearLM(config):
+    return SequenceLM(config, lambda: TTTLinear(config.n_embd, config.n_head), mlp=True)

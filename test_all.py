@@ -361,6 +361,21 @@ def test_armt_overwrites_a_key():
     assert torch.allclose(mem.read(t1, A, z), mem.W_v(t2), atol=1e-4)
 
 
+def test_ttt_linear_inner_step_is_gradient_descent_on_its_loss():
+    torch.manual_seed(0)
+    W = torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    q, k, v = torch.randn(3, 2, 3, 6, 4, dtype=torch.float64)
+    eta = torch.rand(2, 3, 6, dtype=torch.float64)
+    z, W_next = baselines.ttt_linear_chunk(W, q, k, v, eta)
+    inner = (eta[..., None] * (k @ W.transpose(-1, -2) - v) ** 2).sum() / 2      # sum_s eta_s |W k_s - v_s|^2 / 2
+    g, = torch.autograd.grad(inner, W)
+    assert torch.allclose(W_next, W - g, atol=1e-12)                              # one step, all at W (mini-batch)
+    for t in range(6):                                                            # z_t reads the partial update W_t
+        g_t, = torch.autograd.grad((eta[..., :t + 1, None] * (k[..., :t + 1, :] @ W.transpose(-1, -2)
+                                                              - v[..., :t + 1, :]) ** 2).sum() / 2, W)
+        assert torch.allclose(z[..., t, :], ((W - g_t) @ q[..., t, :, None]).squeeze(-1), atol=1e-12)
+
+
 def test_mamba_chunked_scan_equals_sequential_recurrence():
     torch.manual_seed(0)
     b, T, H, P, N = 2, 37, 3, 4, 5
@@ -464,7 +479,7 @@ def test_train_then_eval_smoke(tmp_path, capsys):
     assert (tmp_path / "c.png").stat().st_size > 1000 and (tmp_path / "k.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("model", ["rmt", "armt", "transformer", "mamba"])
+@pytest.mark.parametrize("model", ["rmt", "armt", "transformer", "mamba", "ttt_linear"])
 def test_baseline_train_then_eval_smoke(model, tmp_path):
     out = str(tmp_path / model)
     last = train.main(SMALL + [f"--model={model}", "--K=2", "--max_steps=2", f"--out_dir={out}"])

@@ -24,7 +24,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from baselines import ARMT, RMT, FullContext, Mamba
+from baselines import ARMT, RMT, FullContext, Mamba, TTTLinearLM
 from data import VOCAB, KVTask, save_jsonl
 from gradmem import GradMem, GradMemConfig, score
 from model import GPT, GPTConfig
@@ -33,7 +33,7 @@ from model import GPT, GPTConfig
 @dataclass
 class TrainConfig:
     task: str = field(default="kv", metadata={"choices": ["kv"]})
-    model: str = field(default="gradmem", metadata={"choices": ["gradmem", "rmt", "armt", "transformer", "mamba"],
+    model: str = field(default="gradmem", metadata={"choices": ["gradmem", "rmt", "armt", "transformer", "mamba", "ttt_linear"],
                                                      "help": "memory model (baselines.py); --K, --n_mem apply to rmt too"})
     pairs: int = field(default=16, metadata={"help": "key-value pairs N per context, §3.1"})
     batch_size: int = field(default=64, metadata={"help": "effective batch (split over --grad_accum)"})
@@ -169,6 +169,8 @@ def build(cfgs):
         return FullContext(GPT(mcfg))
     if kind == "mamba":
         return Mamba(mcfg)
+    if kind == "ttt_linear":
+        return TTTLinearLM(mcfg)
     return GradMem(GPT(mcfg), gcfg)
 
 
