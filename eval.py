@@ -59,7 +59,7 @@ def evaluate_ks(gm, task, K_list, device, batch_size=250):
     for b in tqdm(list(task.eval_batches(batch_size, device)), desc="eval", disable=None):
         B, mem = b["ctx"].size(0), None
         for k in range(max(K_list) + 1):
-            mem = gm.mem0.expand(B, -1, -1) if mem is None else write(gm, b["ctx"], 1, mem)[0]   # M_k
+            mem = write(gm, b["ctx"], 0)[0] if mem is None else write(gm, b["ctx"], 1, mem)[0]   # M_0, then M_k
             if k not in sums:
                 continue
             with torch.enable_grad():

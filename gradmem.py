@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-PAD = 0  # data.PAD; gradmem.py imports no project file but model.py
+PAD, BOS = 0, 1  # data.py's ids; gradmem.py imports no project file but model.py
 
 
 @dataclass
@@ -31,6 +31,8 @@ class GradMemConfig:
     meta_grad: str = field(default="second", metadata={"choices": ["second", "first", "none"]})
     write_head: bool = field(default=True, metadata={"help": "separate WRITE head, init from the LM head (App. B)"})
     aux_write: float = field(default=0.5, metadata={"help": "weight of the auxiliary WRITE loss in the outer loss"})
+    memory: str = field(default="input", metadata={"choices": ["input", "kv"], "help": "M as m input vectors "
+                        "(§2.2) or as m key/value slots in every layer (App. J)"})
     attn: str = field(default="hvp", metadata={"choices": ["hvp", "eager"],
                                                  "help": "attention for twice-differentiated passes"})
 
@@ -49,7 +51,9 @@ class GradMem(nn.Module):
     def __init__(self, model, cfg):
         super().__init__()
         self.model, self.cfg = model, cfg
-        self.mem0 = nn.Parameter(0.02 * torch.randn(cfg.n_mem, model.config.n_embd))  # M_0, N(0, 0.02^2)
+        c = model.config
+        shape = (cfg.n_mem, c.n_embd) if cfg.memory == "input" else (c.n_layer, 2, cfg.n_mem, c.n_embd)
+        self.mem0 = nn.Parameter(0.02 * torch.randn(shape))                # M_0, N(0, 0.02^2)
         self.write_head = None
         if cfg.write_head:
             self.write_head = nn.Linear(model.config.n_embd, model.config.vocab_size, bias=False)
@@ -72,11 +76,17 @@ class GradMem(nn.Module):
 def write_loss(model, head, mem, ctx, attn="sdpa"):
     """Eq. (4): next-token NLL of every non-pad context token given [M; C]; t_1 is predicted from the
     last memory position. Per-sample mean over tokens, summed over the batch, so a sample's gradient
-    does not depend on the batch size. Returns (loss, per-token NLL (B, T))."""
+    does not depend on the batch size. Returns (loss, per-token NLL (B, T)).
+    mem: (B, m, C) input vectors, or (B, n_layer, 2, m, C) per-layer key/value slots (App. J): then the input
+    is [BOS; C] and BOS predicts t_1."""
     B, T = ctx.shape
-    m = mem.size(1)
-    x = torch.cat([mem, model.embed(ctx[:, :-1])], dim=1)      # [M; t_1..t_{T-1}]: (B, m+T-1, C)
-    logits = head(model(x, attn)[:, m - 1:])                   # positions m-1.. predict t_1..t_T
+    if mem.dim() == 3:
+        m = mem.size(1)
+        x = torch.cat([mem, model.embed(ctx[:, :-1])], dim=1)  # [M; t_1..t_{T-1}]: (B, m+T-1, C)
+        logits = head(model(x, attn)[:, m - 1:])               # positions m-1.. predict t_1..t_T
+    else:
+        x = model.embed(torch.cat([torch.full_like(ctx[:, :1], BOS), ctx[:, :-1]], dim=1))
+        logits = head(model(x, attn, prefix=mem))
     nll = F.cross_entropy(logits.flatten(0, 1), ctx.flatten(), reduction="none", ignore_index=PAD).view(B, T)
     n_tok = (ctx != PAD).sum(1).clamp(min=1)
     return (nll.sum(1) / n_tok).sum(), nll
@@ -92,7 +102,7 @@ def write(gm, ctx, K, mem=None):
     second = train and cfg.meta_grad == "second"
     keep_last = train and cfg.aux_write > 0                   # the aux loss backprops L_write(M_{K-1}) into theta
     if mem is None:
-        mem = gm.mem0.expand(ctx.size(0), -1, -1)             # (B, m, C): every sample starts at M_0
+        mem = gm.mem0.expand(ctx.size(0), *gm.mem0.shape)     # (B, m, C): every sample starts at M_0
     info = dict(losses=[], nll=[], grad_norm=torch.zeros(()))
     with torch.enable_grad():                                  # WRITE needs grad_M even when evaluating
         for k in range(K):
@@ -110,8 +120,12 @@ def write(gm, ctx, K, mem=None):
 def read_loss(model, mem, q, y):
     """READ, Eq. (8): cross-entropy of the target y given [M_K; Q] (teacher forced). Returns (loss, logits (B, L, V))."""
     L = y.size(1)
-    x = torch.cat([mem, model.embed(q), model.embed(y[:, :-1])], dim=1)   # [M; Q; y_1..y_{L-1}]
-    logits = model.lm_head(model(x, "sdpa")[:, -L:])                   # the last query token predicts y_1
+    if mem.dim() == 3:
+        x = torch.cat([mem, model.embed(q), model.embed(y[:, :-1])], dim=1)   # [M; Q; y_1..y_{L-1}]
+        h = model(x, "sdpa")
+    else:                                                                  # App. J: [Q; Y] over the KV slots
+        h = model(model.embed(torch.cat([q, y[:, :-1]], dim=1)), "sdpa", prefix=mem)
+    logits = model.lm_head(h[:, -L:])                                      # the last query token predicts y_1
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=PAD), logits
 
 

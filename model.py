@@ -107,13 +107,19 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
-    def forward(self, x, rope, attn):
+    def forward(self, x, rope, attn, prefix=None):
+        """prefix: optional (keys, values), each (B, P, C): P extra key/value slots that every query sees
+        (GradMem's per-layer KV memory, App. J). They carry no position (no rotation)."""
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        heads = lambda t: t.view(B, -1, self.n_head, C // self.n_head).transpose(1, 2)      # (B, nh, T, hs)
+        q, k, v = (heads(t) for t in self.c_attn(x).split(C, dim=2))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        y = attention(q, k, v, attn)
+        if prefix is not None:   # prepend the slots; P dummy query rows keep the causal mask square, then are dropped
+            P = prefix[0].size(1)
+            q, k, v = torch.cat([q.new_zeros(B, self.n_head, P, q.size(-1)), q], 2), \
+                torch.cat([heads(prefix[0]), k], 2), torch.cat([heads(prefix[1]), v], 2)
+        y = attention(q, k, v, attn)[:, :, -T:]
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 
@@ -142,8 +148,8 @@ class Block(nn.Module):
         self.ln_1, self.attn = make_norm(config), CausalSelfAttention(config)
         self.ln_2, self.mlp = make_norm(config), MLP(config)
 
-    def forward(self, x, rope, attn):
-        x = x + self.attn(self.ln_1(x), rope, attn)
+    def forward(self, x, rope, attn, prefix=None):
+        x = x + self.attn(self.ln_1(x), rope, attn, prefix)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -182,10 +188,11 @@ class GPT(nn.Module):
         """Token ids (B, T) -> input embeddings (B, T, C)."""
         return self.transformer.wte(idx)
 
-    def forward(self, x, attn="sdpa", wrap=None):
+    def forward(self, x, attn="sdpa", wrap=None, prefix=None):
         """x: input embeddings (B, T, C) -> final hidden states (B, T, C) after ln_f.
         Apply `self.lm_head` (or a separate WRITE head) to get logits. `wrap(i, block, x, rope, attn)`, if given,
-        runs block i in place of `block(x, rope, attn)`: per-layer memories (ARMT, baselines.py) hook in there."""
+        runs block i in place of `block(x, rope, attn)`: per-layer memories (ARMT, baselines.py) hook in there.
+        prefix: optional (B, n_layer, 2, P, C) per-layer key/value slots seen by every query (App. J)."""
         B, T, C = x.size()
         assert T <= self.config.block_size, f"sequence of {T} tokens exceeds block_size {self.config.block_size}"
         rope = None
@@ -195,5 +202,8 @@ class GPT(nn.Module):
             ang = torch.arange(T, device=x.device, dtype=self.rope_inv_freq.dtype)[:, None] * self.rope_inv_freq[None, :]
             rope = (ang.cos().to(x.dtype), ang.sin().to(x.dtype))  # (T, hs/2) each
         for i, block in enumerate(self.transformer.h):
-            x = block(x, rope, attn) if wrap is None else wrap(i, block, x, rope, attn)
+            if wrap is not None:
+                x = wrap(i, block, x, rope, attn)
+            else:
+                x = block(x, rope, attn, None if prefix is None else (prefix[:, i, 0], prefix[:, i, 1]))
         return self.transformer.ln_f(x)

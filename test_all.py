@@ -185,6 +185,43 @@ def test_write_loss_is_eq4():
     assert torch.allclose(g_pair[0], g_one[0], atol=1e-12)
 
 
+def test_kv_prefix_attention_matches_explicit_softmax():
+    """App. J memory slots: every query sees the P prefix keys/values, then its causal past."""
+    torch.manual_seed(0)
+    attn_layer = GPT(GPTConfig(**dict(TINY, pos="learned"))).double().transformer.h[0].attn
+    x, pk, pv = torch.randn(2, 5, 16, dtype=torch.float64), *torch.randn(2, 2, 3, 16, dtype=torch.float64)
+    out = attn_layer(x, None, "eager", (pk, pv))
+    W = attn_layer.c_attn.weight
+    q, k, v = x @ W[:16].T, x @ W[16:32].T, x @ W[32:].T
+    ref = torch.zeros(2, 5, 16, dtype=torch.float64)
+    for h in range(2):                                    # 2 heads of size 8, written out
+        sl = slice(8 * h, 8 * h + 8)
+        for t in range(5):
+            keys = torch.cat([pk[:, :, sl], k[:, : t + 1, sl]], 1)
+            vals = torch.cat([pv[:, :, sl], v[:, : t + 1, sl]], 1)
+            w = torch.softmax((keys @ q[:, t, sl, None]).squeeze(-1) / math.sqrt(8), -1)
+            ref[:, t, sl] = (w[..., None] * vals).sum(1)
+    assert torch.allclose(out, attn_layer.c_proj(ref), atol=1e-12)
+    for impl in ("sdpa", "hvp"):
+        assert torch.allclose(attn_layer(x, None, impl, (pk, pv)), out, atol=1e-12)
+
+
+def test_kv_memory_write_equals_hand_unrolled_sgd():
+    gm, b = tiny_gradmem(memory="kv", n_mem=1), tiny_batch()
+    gm.eval()
+    assert gm.mem0.shape == (2, 2, 1, 16) and gm.memory_floats(0) == 2 * 2 * 1 * 16     # layers x (k, v) x m x d
+    mem, _ = write(gm, b["ctx"], K=2)
+    ref = gm.mem0.detach().expand(2, -1, -1, -1, -1).clone()
+    seq = torch.cat([torch.ones_like(b["ctx"][:, :1]), b["ctx"]], 1)                   # [BOS; C]
+    for _ in range(2):
+        ref = ref.requires_grad_()
+        logp = gm.write_head(gm.model(gm.model.embed(seq), "eager", prefix=ref)).log_softmax(-1)
+        loss = sum(-logp[i, j, seq[i, j + 1]] for i in range(2) for j in range(seq.size(1) - 1)) / (seq.size(1) - 1)
+        g, = torch.autograd.grad(loss, ref)
+        ref = (ref - 0.7 * g).detach()
+    assert torch.allclose(mem, ref, atol=1e-10)
+
+
 def test_read_loss_is_eq8():
     gm, b = tiny_gradmem(), tiny_batch()
     mem = torch.randn(2, 3, 16, dtype=torch.float64)
@@ -217,8 +254,9 @@ def outer_loss(gm, b):
     return gm(b["ctx"], b["q"], b["y"])["loss"]
 
 
-def test_second_order_meta_gradient_matches_finite_difference():
-    gm, b = tiny_gradmem(meta_grad="second", aux_write=0.5), tiny_batch()
+@pytest.mark.parametrize("memory", ["input", "kv"])
+def test_second_order_meta_gradient_matches_finite_difference(memory):
+    gm, b = tiny_gradmem(meta_grad="second", aux_write=0.5, memory=memory), tiny_batch()
     gm.train()
     outer_loss(gm, b).backward()
     torch.manual_seed(1)
@@ -479,10 +517,11 @@ def test_train_then_eval_smoke(tmp_path, capsys):
     assert (tmp_path / "c.png").stat().st_size > 1000 and (tmp_path / "k.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("model", ["rmt", "armt", "transformer", "mamba", "ttt_linear"])
+@pytest.mark.parametrize("model", ["rmt", "armt", "transformer", "mamba", "ttt_linear", "gradmem --memory=kv"])
 def test_baseline_train_then_eval_smoke(model, tmp_path):
-    out = str(tmp_path / model)
-    last = train.main(SMALL + [f"--model={model}", "--K=2", "--max_steps=2", f"--out_dir={out}"])
+    out = str(tmp_path / model.split()[0])
+    flags = [f"--model={model.split()[0]}", *model.split()[1:]]
+    last = train.main(SMALL + flags + ["--K=2", "--max_steps=2", f"--out_dir={out}"])
     res = eval_script.main([os.path.join(out, "best.pt"), "--K_eval", "2"])
     assert res[0]["em"] == pytest.approx(last["em"]) and res[0]["acc"] == pytest.approx(last["acc"])
 

@@ -143,7 +143,7 @@ def init_from(gm, path, cfgs):
         raise RunError(f"checkpoint {path} is a {saved} model, this run trains {cfgs['train'].model}")
     check_match(path, ckpt["config"], cfgs, ["gradmem"], skip=RESUMABLE | {"K", "alpha", "meta_grad", "aux_write", "n_mem"})
     state = ckpt["model"]
-    if "mem0" in state:
+    if "mem0" in state and state["mem0"].dim() == 2:
         if state["mem0"].size(0) < gm.mem0.size(0):
             raise RunError(f"checkpoint {path} has n_mem={state['mem0'].size(0)}, fewer than this run's {gm.mem0.size(0)}")
         state["mem0"] = state["mem0"][: gm.mem0.size(0)]
