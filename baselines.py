@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradmem import read_loss
-from model import MLP, RMSNorm
+from model import MLP, CausalSelfAttention, RMSNorm
 
 
 class RMT(nn.Module):
@@ -264,6 +264,53 @@ class TTTLinear(nn.Module):
         return self.o(self.ln(torch.cat(zs, dim=2)).transpose(1, 2).reshape(B, T, C))
 
 
+def lact_grads(W1, W2, W3, k, v, eta):
+    """Gradients of the LaCT fast-weight loss L = -sum_t eta_t <f(k_t), v_t>, f(x) = W2 (silu(W1 x) * (W3 x)),
+    by hand. W1, W3: (..., h, d); W2: (..., d, h); k, v: (..., n, d); eta: (..., n). Returns (dW1, dW2, dW3)."""
+    h1, h3 = k @ W1.transpose(-1, -2), k @ W3.transpose(-1, -2)                         # (..., n, h)
+    a = F.silu(h1) * h3
+    dv = -eta[..., None] * v                                                            # dL/df
+    da = dv @ W2                                                                        # (..., n, h)
+    sig = torch.sigmoid(h1)
+    dh1 = da * h3 * sig * (1 + h1 * (1 - sig))                                          # silu'(x) = s (1 + x (1 - s))
+    dh3 = da * F.silu(h1)
+    return dh1.transpose(-1, -2) @ k, dv.transpose(-1, -2) @ a, dh3.transpose(-1, -2) @ k
+
+
+class LaCT(nn.Module):
+    """LaCT, large-chunk test-time training (Zhang et al., ICLR 2026), simplest form: per head a SwiGLU fast weight
+    f(x) = W2 (silu(W1 x) * W3 x) takes one gradient step on L = -sum_t eta_t <f(k_t), v_t> per chunk, applied to a
+    chunk's queries before that chunk's update (apply, then update); a sliding-window attention layer beside it handles
+    order inside chunks. Here a chunk is the whole context, so the context is written in one large update."""
+
+    def __init__(self, config, chunk, window=16):
+        super().__init__()
+        d, self.nh = config.n_embd, config.n_head
+        self.hs, self.chunk, self.window = d // self.nh, chunk, window
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.lr = nn.Linear(d, self.nh)
+        self.W = nn.ParameterList([nn.Parameter(torch.randn(self.nh, self.hs, self.hs) / self.hs ** 0.5) for _ in range(3)])
+        self.o = nn.Linear(d, d, bias=False)
+        self.swa = CausalSelfAttention(config)
+
+    def state_floats(self):
+        return sum(w.numel() for w in self.W)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        local = self.swa(x, None, "sdpa", window=self.window)
+        q, k, v = (t.view(B, T, self.nh, self.hs).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1))
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        eta = F.softplus(self.lr(x)).transpose(1, 2)                                     # (B, nh, T)
+        W, outs = [w.expand(B, -1, -1, -1) for w in self.W], []
+        for t0 in range(0, T, self.chunk):
+            sl = slice(t0, t0 + self.chunk)
+            outs.append((F.silu(q[:, :, sl] @ W[0].transpose(-1, -2)) * (q[:, :, sl] @ W[2].transpose(-1, -2)))
+                        @ W[1].transpose(-1, -2))                                       # apply: f(q) with W so far
+            W = [w - g for w, g in zip(W, lact_grads(*W, k[:, :, sl], v[:, :, sl], eta[:, :, sl]))]   # then update
+        return local + self.o(torch.cat(outs, dim=2).transpose(1, 2).reshape(B, T, C))
+
+
 class SequenceLM(nn.Module):
     """A language model whose token mixer is a recurrent layer (Mamba-2, TTT-Linear), of the GPT's width and depth,
     reading [C; Q; Y]: Table 1's per-layer-state baselines. With mlp=True each block also has the GPT's MLP."""
@@ -302,3 +349,7 @@ def Mamba(config):
 
 def TTTLinearLM(config):
     return SequenceLM(config, lambda: TTTLinear(config.n_embd, config.n_head), mlp=True)
+
+
+def LaCTLM(config, chunk):
+    return SequenceLM(config, lambda: LaCT(config, chunk), mlp=True)

@@ -107,9 +107,10 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
-    def forward(self, x, rope, attn, prefix=None):
+    def forward(self, x, rope, attn, prefix=None, window=None):
         """prefix: optional (keys, values), each (B, P, C): P extra key/value slots that every query sees
-        (GradMem's per-layer KV memory, App. J). They carry no position (no rotation)."""
+        (GradMem's per-layer KV memory, App. J). They carry no position (no rotation).
+        window: if set, each query sees only its last `window` positions (sliding window, SDPA only; LaCT)."""
         B, T, C = x.size()
         heads = lambda t: t.view(B, -1, self.n_head, C // self.n_head).transpose(1, 2)      # (B, nh, T, hs)
         q, k, v = (heads(t) for t in self.c_attn(x).split(C, dim=2))
@@ -119,7 +120,12 @@ class CausalSelfAttention(nn.Module):
             P = prefix[0].size(1)
             q, k, v = torch.cat([q.new_zeros(B, self.n_head, P, q.size(-1)), q], 2), \
                 torch.cat([heads(prefix[0]), k], 2), torch.cat([heads(prefix[1]), v], 2)
-        y = attention(q, k, v, attn)[:, :, -T:]
+        if window is None:
+            y = attention(q, k, v, attn)[:, :, -T:]
+        else:
+            i = torch.arange(T, device=x.device)
+            seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)           # (T, T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
 

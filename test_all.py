@@ -414,6 +414,30 @@ def test_ttt_linear_inner_step_is_gradient_descent_on_its_loss():
         assert torch.allclose(z[..., t, :], ((W - g_t) @ q[..., t, :, None]).squeeze(-1), atol=1e-12)
 
 
+def test_lact_fast_weight_gradients_match_autograd():
+    torch.manual_seed(0)
+    W1, W2, W3 = (torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    W2 = W2.transpose(-1, -2).detach().requires_grad_()                          # (d=4) x (h=5)
+    k, v = torch.randn(2, 2, 3, 7, 4, dtype=torch.float64)
+    eta = torch.rand(2, 3, 7, dtype=torch.float64)
+    f = (F.silu(k @ W1.transpose(-1, -2)) * (k @ W3.transpose(-1, -2))) @ W2.transpose(-1, -2)
+    want = torch.autograd.grad(-(eta[..., None] * f * v).sum(), (W1, W2, W3))
+    for g, w in zip(baselines.lact_grads(W1, W2, W3, k, v, eta), want):
+        assert torch.allclose(g, w, atol=1e-12)
+
+
+def test_sliding_window_attention_sees_only_the_window():
+    torch.manual_seed(0)
+    layer = GPT(GPTConfig(**dict(TINY, pos="learned"))).double().transformer.h[0].attn
+    x = torch.randn(1, 9, 16, dtype=torch.float64)
+    y = x.clone()
+    y[:, 2] += torch.randn(16, dtype=torch.float64)                               # position 2 changes
+    a, b = layer(x, None, "sdpa", window=3), layer(y, None, "sdpa", window=3)
+    assert torch.allclose(a[:, :2], b[:, :2]) and torch.allclose(a[:, 5:], b[:, 5:])   # before 2, or 3+ after it
+    assert not torch.allclose(a[:, 2:5], b[:, 2:5])
+    assert torch.allclose(layer(x, None, "sdpa", window=9), layer(x, None, "sdpa"), atol=1e-12)
+
+
 def test_mamba_chunked_scan_equals_sequential_recurrence():
     torch.manual_seed(0)
     b, T, H, P, N = 2, 37, 3, 4, 5
@@ -517,7 +541,7 @@ def test_train_then_eval_smoke(tmp_path, capsys):
     assert (tmp_path / "c.png").stat().st_size > 1000 and (tmp_path / "k.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("model", ["rmt", "armt", "transformer", "mamba", "ttt_linear", "gradmem --memory=kv"])
+@pytest.mark.parametrize("model", ["rmt", "armt", "transformer", "mamba", "ttt_linear", "lact", "gradmem --memory=kv"])
 def test_baseline_train_then_eval_smoke(model, tmp_path):
     out = str(tmp_path / model.split()[0])
     flags = [f"--model={model.split()[0]}", *model.split()[1:]]

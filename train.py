@@ -24,7 +24,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from baselines import ARMT, RMT, FullContext, Mamba, TTTLinearLM
+from baselines import ARMT, RMT, FullContext, LaCTLM, Mamba, TTTLinearLM
 from data import VOCAB, KVTask, save_jsonl
 from gradmem import GradMem, GradMemConfig, score
 from model import GPT, GPTConfig
@@ -33,7 +33,7 @@ from model import GPT, GPTConfig
 @dataclass
 class TrainConfig:
     task: str = field(default="kv", metadata={"choices": ["kv"]})
-    model: str = field(default="gradmem", metadata={"choices": ["gradmem", "rmt", "armt", "transformer", "mamba", "ttt_linear"],
+    model: str = field(default="gradmem", metadata={"choices": ["gradmem", "rmt", "armt", "transformer", "mamba", "ttt_linear", "lact"],
                                                      "help": "memory model (baselines.py); --K, --n_mem apply to rmt too"})
     pairs: int = field(default=16, metadata={"help": "key-value pairs N per context, §3.1"})
     batch_size: int = field(default=64, metadata={"help": "effective batch (split over --grad_accum)"})
@@ -171,6 +171,8 @@ def build(cfgs):
         return Mamba(mcfg)
     if kind == "ttt_linear":
         return TTTLinearLM(mcfg)
+    if kind == "lact":
+        return LaCTLM(mcfg, chunk=7 * cfgs["train"].pairs + 1)     # one fast-weight update per context
     return GradMem(GPT(mcfg), gcfg)
 
 
