@@ -23,7 +23,8 @@ Per head h (scalar decay A_h < 0), state H_t in R^{P x N}, input x_t in R^P, B_t
 computed chunk by chunk: inside a chunk as a masked, decayed C B^T "attention", across chunks by passing H.
 
 TTT-Linear (Sun et al., 2025, App. H): per-head linear fast weights trained by mini-batch gradient descent on a
-reconstruction loss as the context streams by (see TTTLinear).
+reconstruction loss as the context streams by (see TTTLinear). LaCT (Zhang et al., 2026, App. H): SwiGLU fast
+weights updated once per large chunk on a dot-product loss, beside sliding-window attention (see LaCT).
 
 Every class returns the dict GradMem.forward returns (loss, task_loss, logits, mem, losses, nll, grad_norm), so
 train.py and eval.py drive them unchanged.
@@ -36,6 +37,11 @@ import torch.nn.functional as F
 
 from gradmem import read_loss
 from model import MLP, CausalSelfAttention, RMSNorm
+
+
+def outputs(task_loss, logits, mem=None):
+    """GradMem.forward's dict for a model without a WRITE loss."""
+    return dict(loss=task_loss, task_loss=task_loss, logits=logits, mem=mem, losses=[], nll=[], grad_norm=torch.zeros(()))
 
 
 class RMT(nn.Module):
@@ -64,8 +70,7 @@ class RMT(nn.Module):
     def forward(self, ctx, q, y, K=None):
         mem = self.write(ctx, self.K if K is None else K)
         task_loss, logits = read_loss(self.model, mem, q, y)
-        return dict(loss=task_loss, task_loss=task_loss, logits=logits, mem=mem, losses=[], nll=[],
-                    grad_norm=torch.zeros(()))
+        return outputs(task_loss, logits, mem)
 
 
 class FullContext(nn.Module):
@@ -84,8 +89,7 @@ class FullContext(nn.Module):
         x = self.model.embed(torch.cat([ctx, q, y[:, :-1]], dim=1))
         logits = self.model.lm_head(self.model(x)[:, -L:])
         task_loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=0)
-        return dict(loss=task_loss, task_loss=task_loss, logits=logits, mem=None, losses=[], nll=[],
-                    grad_norm=torch.zeros(()))
+        return outputs(task_loss, logits)
 
 
 def dpfp(x, nu=3):
@@ -160,8 +164,7 @@ class ARMT(nn.Module):
         h = self.model(self.model.embed(torch.cat([q, y[:, :-1]], dim=1)), wrap=wrap)
         logits = self.model.lm_head(h[:, -L:])
         task_loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=0)
-        return dict(loss=task_loss, task_loss=task_loss, logits=logits, mem=None, losses=[], nll=[],
-                    grad_norm=torch.zeros(()))
+        return outputs(task_loss, logits)
 
 
 def ssd_sequential(x, dt, A, B, C):
@@ -339,8 +342,7 @@ class SequenceLM(nn.Module):
                 x = x + self.mlps[i](self.mlp_norms[i](x))
         logits = self.ln_f(x)[:, -L:] @ self.wte.weight.T                                 # tied output head
         task_loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=0)
-        return dict(loss=task_loss, task_loss=task_loss, logits=logits, mem=None, losses=[], nll=[],
-                    grad_norm=torch.zeros(()))
+        return outputs(task_loss, logits)
 
 
 def Mamba(config):
