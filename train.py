@@ -127,10 +127,10 @@ def check_match(path, saved, cfgs, sections, skip=RESUMABLE):
         for name, value in asdict(cfgs[sec]).items():
             if name in skip or name in NOT_FLAGS:
                 continue
-            if name not in saved.get(sec, {}):
-                raise RunError(f"checkpoint {path} has no config field {sec}.{name}")
-            if saved[sec][name] != value:
-                raise RunError(f"checkpoint {path} has {name}={saved[sec][name]!r} but this run has {name}={value!r}")
+            default = next(f.default for f in fields(cfgs[sec]) if f.name == name)
+            old = saved.get(sec, {}).get(name, default)     # a field newer than the checkpoint: its default
+            if old != value:
+                raise RunError(f"checkpoint {path} has {name}={old!r} but this run has {name}={value!r}")
 
 
 def init_from(gm, path, cfgs):
