@@ -574,6 +574,15 @@ def test_resume_is_exact(tmp_path):
     assert steps.count(3) == 1 and steps.count(4) == 2                       # one train and one eval record
 
 
+def test_lr_schedule_warmup_then_cosine():
+    t = train.TrainConfig(lr=1e-3, warmup=10, decay_steps=100, min_lr=1e-4)
+    lrs = [train.lr_at(s, t) for s in range(200)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)           # linear warmup
+    assert lrs[60] == pytest.approx(1e-4 + 0.5 * 9e-4)                                 # cosine midpoint
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[110] == lrs[199] == pytest.approx(1e-4)
+    assert train.lr_at(10_000, train.TrainConfig(lr=1e-3, warmup=10)) == 1e-3          # no --decay_steps: constant
+
+
 def test_grad_accum_equals_full_batch(tmp_path):
     ck = []
     for accum in (1, 4):
@@ -620,6 +629,7 @@ def test_bad_input_fails_cleanly_and_keeps_checkpoints(tmp_path):
     run_fails(SMALL + [f"--out_dir={tmp_path}/y", f"--init_from={tmp_path}/junk.pt"], "cannot read")
     run_fails(SMALL + [f"--out_dir={tmp_path}/y", f"--init_from={ck}", "--n_layer=2"], "n_layer")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--alpha=inf"], "--alpha")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--min_lr=1"], "--min_lr")
     # a diverging run stops with the step number and writes no checkpoint
     run_fails(SMALL + [f"--out_dir={tmp_path}/z", f"--init_from={ck}", "--lr=1e30", "--max_steps=3"],
               "non-finite loss at step 1")

@@ -40,7 +40,10 @@ class TrainConfig:
     grad_accum: int = field(default=0, metadata={"help": "micro-batches per step; 0: auto, each WRITE micro-batch "
                                                          "holds at most TOKEN_STEPS tokens x K"})
     lr: float = field(default=1e-3, metadata={"help": "AdamW peak lr (paper: 1e-4, see README deviations)"})
-    warmup: int = field(default=200, metadata={"help": "linear warmup steps, constant lr after"})
+    warmup: int = field(default=200, metadata={"help": "linear warmup steps"})
+    decay_steps: int = field(default=0, metadata={"help": "cosine decay to --min_lr over this many steps after warmup, "
+                                                           "then --min_lr (0: constant lr after warmup)"})
+    min_lr: float = 0.0
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     max_steps: int = 20000
@@ -66,6 +69,8 @@ class TrainConfig:
             raise ValueError(f"--batch_size ({self.batch_size}) must be a positive multiple of --grad_accum ({self.grad_accum})")
         if self.resume and self.init_from:
             raise ValueError("--resume and --init_from exclude each other")
+        if self.decay_steps < 0 or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"--decay_steps must be >= 0 and --min_lr in [0, --lr], got {self.decay_steps}, {self.min_lr}")
         if not self.lr > 0 or self.max_steps < 0 or self.eval_interval < 1 or self.log_interval < 1:
             raise ValueError("--lr must be > 0, --max_steps >= 0, --eval_interval and --log_interval >= 1")
 
@@ -84,6 +89,16 @@ def auto_grad_accum(batch_size, write_len, K):
     """Smallest divisor of batch_size whose micro-batch keeps micro * write_len * K within TOKEN_STEPS."""
     return next(a for a in range(1, batch_size + 1)
                 if batch_size % a == 0 and (batch_size // a) * write_len * max(K, 1) <= TOKEN_STEPS or a == batch_size)
+
+
+def lr_at(step, tcfg):
+    """Linear warmup to --lr, then (with --decay_steps) a cosine down to --min_lr."""
+    if step < tcfg.warmup:
+        return tcfg.lr * (step + 1) / tcfg.warmup
+    if not tcfg.decay_steps:
+        return tcfg.lr
+    t = min(1.0, (step - tcfg.warmup) / tcfg.decay_steps)
+    return tcfg.min_lr + 0.5 * (tcfg.lr - tcfg.min_lr) * (1 + math.cos(math.pi * t))
 
 
 class RunError(Exception):
@@ -283,7 +298,7 @@ def run(cfgs, argv):
     t0, last, since_best = time.time(), None, 0
     bar = tqdm(range(step, tcfg.max_steps), initial=step, total=tcfg.max_steps, dynamic_ncols=True, disable=None)
     for step in bar:
-        lr = tcfg.lr * min(1.0, (step + 1) / max(1, tcfg.warmup))
+        lr = lr_at(step, tcfg)
         for g in opt.param_groups:
             g["lr"] = lr
         logs = train_step(gm, opt, task, step, tcfg, device, autocast)
