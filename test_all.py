@@ -574,6 +574,12 @@ def test_resume_is_exact(tmp_path):
     assert steps.count(3) == 1 and steps.count(4) == 2                       # one train and one eval record
 
 
+def test_bench_and_profile(capsys):
+    res = train.main(SMALL + ["--K=1", "--bench=1", "--profile"])
+    assert res["median_s_per_step"] > 0 and res["gflop_per_step"] > 0 and res["peak_gb"] > 0
+    assert "aten::mm" in capsys.readouterr().out                            # the profiler's per-op table
+
+
 def test_lr_schedule_warmup_then_cosine():
     t = train.TrainConfig(lr=1e-3, warmup=10, decay_steps=100, min_lr=1e-4)
     lrs = [train.lr_at(s, t) for s in range(200)]

@@ -63,6 +63,7 @@ class TrainConfig:
     dtype: str = field(default="float32", metadata={"choices": ["float32", "bfloat16"]})
     seed: int = 0
     bench: int = field(default=0, metadata={"help": "time this many steps after warm-up, print median s/step and peak memory"})
+    profile: bool = field(default=False, metadata={"help": "with --bench: also print torch.profiler's self time per op for one step"})
 
     def __post_init__(self):
         if self.batch_size < 1 or self.grad_accum < 0 or (self.grad_accum and self.batch_size % self.grad_accum):
@@ -79,7 +80,7 @@ CONFIGS = {"model": GPTConfig, "gradmem": GradMemConfig, "train": TrainConfig}
 NOT_FLAGS = {"vocab_size", "block_size"}  # set by the task
 # fields a resumed run may change; every other field must equal the checkpoint's
 RESUMABLE = {"K_eval", "attn", "grad_accum", "max_steps", "eval_interval", "log_interval", "target_em", "patience",
-             "resume", "init_from", "device", "bench", "out_dir", "write_split"}
+             "resume", "init_from", "device", "bench", "profile", "out_dir", "write_split"}
 
 
 TOKEN_STEPS = 40_000  # auto --grad_accum budget: 64 pairs, K = 5 -> micro-batch 16, 8.3 GB peak RSS (README)
@@ -379,6 +380,13 @@ def bench(gm, opt, task, tcfg, gcfg, device, autocast):
     peak_gb = peak_memory_gb(device)
     with FlopCounterMode(display=False) as fc:    # matmul FLOPs of one step, backward and double backward included
         train_step(gm, opt, task, 0, tcfg, device, autocast)
+    if tcfg.profile:                              # where the time goes: self time per aten op, one step
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=acts) as prof:
+            train_step(gm, opt, task, 0, tcfg, device, autocast)
+        key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=40))
     sec = statistics.median(times[2:])
     res = dict(median_s_per_step=sec, peak_gb=peak_gb, device=device, threads=torch.get_num_threads(),
                model=tcfg.model, pairs=tcfg.pairs, batch_size=tcfg.batch_size, grad_accum=tcfg.grad_accum, K=gcfg.K, attn=gcfg.attn,
