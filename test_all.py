@@ -22,7 +22,7 @@ import eval as eval_script
 import plot
 import train
 from gradmem import GradMem, GradMemConfig, read_loss, write, write_loss
-from model import GPT, GPTConfig, apply_rope, attention, rope_frequencies
+from model import GPT, MLP, GPTConfig, apply_rope, attention, rope_frequencies
 
 torch.use_deterministic_algorithms(True)
 TINY = dict(n_layer=2, n_head=2, n_embd=16, n_hidden=32, vocab_size=len(data.VOCAB))
@@ -104,6 +104,17 @@ def test_param_count_matches_paper_model():
     gm = GradMem(model, GradMemConfig())
     assert 1.05e6 < model.num_params() < 1.07e6                       # "about 1.07 M" with the WRITE head
     assert abs(sum(p.numel() for p in gm.parameters()) - 1.07e6) < 0.01e6
+
+
+def test_swiglu_mlp_matches_formula():
+    """SwiGLU (Shazeer 2020): c_proj(silu(x W_gate^T) * (x W_up^T)), gate and up the halves of c_fc."""
+    torch.manual_seed(0)
+    mlp = MLP(GPTConfig(n_embd=8, n_hidden=12, bias=True)).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    W, b = mlp.c_fc.weight, mlp.c_fc.bias
+    a, u = x @ W[:12].T + b[:12], x @ W[12:].T + b[12:]
+    ref = (a / (1 + torch.exp(-a)) * u) @ mlp.c_proj.weight.T + mlp.c_proj.bias
+    torch.testing.assert_close(mlp(x), ref)
 
 
 # ---------------------------------------------------------------- attention_hvp (Appendix C)
