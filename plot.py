@@ -28,7 +28,21 @@ def label_of(path, recs):
     if head is None:
         return os.path.basename(os.path.dirname(path)) or path
     t, g = head["config"]["train"], head["config"]["gradmem"]
-    return f"{os.path.basename(os.path.dirname(path))}: N={t['pairs']} K={g['K']} {g['meta_grad']}"
+    name, model = os.path.basename(os.path.dirname(path)), t.get("model", "gradmem")
+    if model == "gradmem":
+        return f"{name}: N={t['pairs']} K={g['K']} {g['meta_grad']}"
+    return f"{name}: {model} N={t['pairs']}" + (f" K={g['K']}" if model == "rmt" else "")
+
+
+def wall_minutes(ev):
+    """Each record's run clock restarts at 0 after --resume: continue it from the record resumed from."""
+    out, offset, prev = [], 0.0, 0.0
+    for r in ev:
+        if r["time"] < prev:
+            offset += prev
+        prev = r["time"]
+        out.append((offset + r["time"]) / 60)
+    return out
 
 
 def plot_curves(paths, out):
@@ -40,7 +54,7 @@ def plot_curves(paths, out):
             raise ValueError(f"{path}: no eval records")
         lab = label_of(path, recs)
         ax1.plot([r["step"] for r in ev], [100 * r["em"] for r in ev], label=lab)
-        ax2.plot([r["time"] / 60 for r in ev], [100 * r["em"] for r in ev], label=lab)
+        ax2.plot(wall_minutes(ev), [100 * r["em"] for r in ev], label=lab)
     ax1.set(xlabel="training step", ylabel="held-out exact match (%)", title="KV retrieval")
     ax2.set(xlabel="wall time of the run (min)", ylabel="held-out exact match (%)")
     for ax in (ax1, ax2):

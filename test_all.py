@@ -550,6 +550,8 @@ def test_train_then_eval_smoke(tmp_path, capsys):
     plot.main(["curves", os.path.join(out, "log.jsonl"), "-o", str(tmp_path / "c.png")])
     plot.main(["keval", os.path.join(out, "eval.json"), "-o", str(tmp_path / "k.png")])
     assert (tmp_path / "c.png").stat().st_size > 1000 and (tmp_path / "k.png").stat().st_size > 1000
+    # a resumed run's clock restarts at 0: plot.py continues it from the record it resumed from
+    assert plot.wall_minutes([dict(time=60.0), dict(time=120.0), dict(time=30.0)]) == [1.0, 2.0, 2.5]
 
 
 @pytest.mark.parametrize("model", ["rmt", "armt", "transformer", "mamba", "ttt_linear", "lact", "gradmem --memory=kv"])
