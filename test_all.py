@@ -649,6 +649,7 @@ def test_bad_input_fails_cleanly_and_keeps_checkpoints(tmp_path):
     run_fails(SMALL + [f"--out_dir={tmp_path}/y", f"--init_from={ck}", "--n_layer=2"], "n_layer")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--alpha=inf"], "--alpha")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--min_lr=1"], "--min_lr")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--profile"], "--bench")
     # a diverging run stops with the step number and writes no checkpoint
     run_fails(SMALL + [f"--out_dir={tmp_path}/z", f"--init_from={ck}", "--lr=1e30", "--max_steps=3"],
               "non-finite loss at step 1")

@@ -70,6 +70,8 @@ class TrainConfig:
             raise ValueError(f"--batch_size ({self.batch_size}) must be a positive multiple of --grad_accum ({self.grad_accum})")
         if self.resume and self.init_from:
             raise ValueError("--resume and --init_from exclude each other")
+        if self.profile and not self.bench:
+            raise ValueError("--profile profiles a --bench step: give --bench N as well")
         if self.decay_steps < 0 or not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"--decay_steps must be >= 0 and --min_lr in [0, --lr], got {self.decay_steps}, {self.min_lr}")
         if not self.lr > 0 or self.max_steps < 0 or self.eval_interval < 1 or self.log_interval < 1:
