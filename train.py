@@ -64,6 +64,8 @@ class TrainConfig:
     seed: int = 0
     bench: int = field(default=0, metadata={"help": "time this many steps after warm-up, print median s/step and peak memory"})
     profile: bool = field(default=False, metadata={"help": "with --bench: also print torch.profiler's self time per op for one step"})
+    cuda_graph: bool = field(default=False, metadata={"help": "CUDA: record one micro-batch's WRITE, READ and meta-gradient "
+                                                               "as a CUDA graph and replay it every step (skipped on CPU)"})
 
     def __post_init__(self):
         if self.batch_size < 1 or self.grad_accum < 0 or (self.grad_accum and self.batch_size % self.grad_accum):
@@ -82,7 +84,8 @@ CONFIGS = {"model": GPTConfig, "gradmem": GradMemConfig, "train": TrainConfig}
 NOT_FLAGS = {"vocab_size", "block_size"}  # set by the task
 # fields a resumed run may change; every other field must equal the checkpoint's
 RESUMABLE = {"K_eval", "attn", "grad_accum", "max_steps", "eval_interval", "log_interval", "target_em", "patience",
-             "resume", "init_from", "device", "bench", "profile", "out_dir", "write_split"}
+             "resume", "init_from", "device", "bench", "profile", "cuda_graph",
+             "out_dir", "write_split"}
 
 
 TOKEN_STEPS = 40_000  # auto --grad_accum budget: 64 pairs, K = 5 -> micro-batch 16, 8.3 GB peak RSS (README)
@@ -210,20 +213,93 @@ def evaluate(gm, task, K, device, batch_size=250):
     return dict(em=em / n, acc=acc / n, write_loss0=wl / n)
 
 
-def train_step(gm, opt, task, step, tcfg, device, autocast):
-    """One optimizer step on batch `step` (split into grad_accum micro-batches). Returns logged scalars."""
+class GraphedStep:
+    """--cuda_graph: one micro-batch's whole pass -- the K WRITE steps (Eq. 5) with their create_graph
+    backward, READ (Eq. 8) and the meta-gradient of the outer loss -- recorded once as a CUDA graph on static
+    input buffers, then replayed for every micro-batch (the KV task's shapes never change). The graph's outputs
+    are the loss terms and one gradient per parameter, which are added into .grad outside the graph, so gradient
+    accumulation and the eager optimizer step are unchanged. On capture the replay is checked against an eager
+    pass on the same batch. capture=False runs the same static-buffer pass eagerly (the CPU test of the plumbing)."""
+
+    def __init__(self, gm, batch, scale, autocast, capture=True, tol=1e-3):
+        self.gm, self.scale, self.autocast, self.graph = gm, scale, autocast, None
+        self.params = [p for p in gm.parameters() if p.requires_grad]
+        self.inputs = {k: v.clone() for k, v in batch.items()}
+        if not capture:
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):             # warm-up off the capture stream (cuBLAS handles, lazy caches)
+            for _ in range(3):
+                self._pass()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._pass()
+        ref = [g.clone() for g in self._pass()["grads"]]          # eager, same inputs
+        self.graph.replay()
+        err = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item() for a, b in zip(self.out["grads"], ref))
+        if not err <= tol:
+            raise RunError(f"--cuda_graph: the replayed graph's gradients differ from the eager pass by {err:.2e} "
+                           f"(relative, > {tol}); run without --cuda_graph")
+
+    def _pass(self):
+        b = self.inputs
+        with self.autocast:
+            out = self.gm(b["ctx"], b["q"], b["y"])
+        grads = torch.autograd.grad(out["loss"] * self.scale, self.params, allow_unused=True)
+        zero = out["loss"].new_zeros(())
+        return dict(loss=out["loss"].detach(), task_loss=out["task_loss"].detach(), logits=out["logits"].detach(),
+                    losses=[out["losses"][0].detach()] if out["losses"] else [], grad_norm=out["grad_norm"].detach() + zero,
+                    grads=[torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)])
+
+    def __call__(self, batch):
+        for k, v in batch.items():
+            if v.shape != self.inputs[k].shape:
+                raise RunError(f"--cuda_graph needs static shapes: {k} {tuple(v.shape)} vs captured {tuple(self.inputs[k].shape)}")
+            self.inputs[k].copy_(v)
+        if self.graph is None:
+            self.out = self._pass()
+        else:
+            self.graph.replay()
+        for p, g in zip(self.params, self.out["grads"]):
+            p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+        return self.out
+
+
+def make_graphed(gm, task, tcfg, device, autocast):
+    """--cuda_graph: a GraphedStep on CUDA; on CPU a one-line notice and None (the eager step)."""
+    if not tcfg.cuda_graph:
+        return None
+    if device != "cuda":
+        print("--cuda_graph: needs a CUDA device; skipped, running eagerly on CPU")
+        return None
+    micro = tcfg.batch_size // tcfg.grad_accum
+    batch = {k: v[:micro] for k, v in task.train_batch(0, tcfg.batch_size, device).items()}
+    graphed = GraphedStep(gm, batch, 1.0 / tcfg.grad_accum, autocast)
+    gm.zero_grad(set_to_none=True)
+    return graphed
+
+
+def train_step(gm, opt, task, step, tcfg, device, autocast, graphed=None):
+    """One optimizer step on batch `step` (split into grad_accum micro-batches). Returns logged scalars.
+    graphed: a GraphedStep that replaces each micro-batch's forward and backward (--cuda_graph)."""
     batch = task.train_batch(step, tcfg.batch_size, device)
     micro = tcfg.batch_size // tcfg.grad_accum
     logs = dict(loss=0.0, task_loss=0.0, write_loss=0.0, em=0.0, g_mem=0.0)
     for i in range(tcfg.grad_accum):
         b = {k: v[i * micro:(i + 1) * micro] for k, v in batch.items()}
-        with autocast:
-            out = gm(b["ctx"], b["q"], b["y"])
+        if graphed is None:
+            with autocast:
+                out = gm(b["ctx"], b["q"], b["y"])
+        else:
+            out = graphed(b)                      # forward and backward, gradients already in .grad
         wl = out["losses"][0].item() / micro if out["losses"] else 0.0
         if not (math.isfinite(out["loss"].item()) and math.isfinite(wl)):
             raise RunError(f"non-finite loss at step {step} (task {out['task_loss'].item()}, WRITE {wl}); "
                            "stopped without saving (try a smaller --alpha or --lr)")
-        (out["loss"] / tcfg.grad_accum).backward()
+        if graphed is None:
+            (out["loss"] / tcfg.grad_accum).backward()
         for k, v in (("loss", out["loss"].item()), ("task_loss", out["task_loss"].item()), ("write_loss", wl),
                      ("em", score(out["logits"], b["y"], b["y_mask"])[0]), ("g_mem", out["grad_norm"].item())):
             logs[k] += v / tcfg.grad_accum
@@ -249,8 +325,8 @@ def run(cfgs, argv):
     device = ("cuda" if torch.cuda.is_available() else "cpu") if tcfg.device == "auto" else tcfg.device
     if device == "cuda" and not torch.cuda.is_available():
         raise RunError("--device cuda but no CUDA device is available")
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" and tcfg.dtype == "bfloat16"
-                else nullcontext())
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not tcfg.cuda_graph)  # no cast cache in a graph
+                if device == "cuda" and tcfg.dtype == "bfloat16" else nullcontext())
     torch.manual_seed(tcfg.seed)
     try:
         task = KVTask(tcfg.pairs, tcfg.seed, tcfg.eval_seed, tcfg.n_eval, tcfg.train_file or None, tcfg.eval_file or None)
@@ -279,8 +355,9 @@ def run(cfgs, argv):
         init_from(gm, tcfg.init_from, cfgs)
     elif not tcfg.bench and os.path.exists(ckpt_path):
         raise RunError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out_dir")
+    graphed = make_graphed(gm, task, tcfg, device, autocast)
     if tcfg.bench:
-        return bench(gm, opt, task, tcfg, gcfg, device, autocast)
+        return bench(gm, opt, task, tcfg, gcfg, device, autocast, graphed)
     ctx_len = task.train_batch(0, 1)["ctx"].size(1)
     print(f"{tcfg.model}: {sum(p.numel() for p in gm.parameters()) / 1e6:.3f} M trained parameters; memory state "
           f"{gm.memory_floats(ctx_len)} floats for a {ctx_len}-token context (App. G); device {device}")
@@ -304,7 +381,7 @@ def run(cfgs, argv):
         lr = lr_at(step, tcfg)
         for g in opt.param_groups:
             g["lr"] = lr
-        logs = train_step(gm, opt, task, step, tcfg, device, autocast)
+        logs = train_step(gm, opt, task, step, tcfg, device, autocast, graphed)
         done = step + 1
         if done % tcfg.log_interval == 0:
             rec = dict(kind="train", step=done, lr=lr, time=time.time() - t0, **logs)
@@ -368,18 +445,24 @@ def matmul_peak_gflops(device, n=2048):
     return 2 * n ** 3 / statistics.median(times[2:]) / 1e9
 
 
-def bench(gm, opt, task, tcfg, gcfg, device, autocast):
-    """Median wall time of one optimizer step after 2 warm-up steps, and peak memory (RSS on CPU)."""
-    times = []
-    for step in range(tcfg.bench + 2):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        train_step(gm, opt, task, step, tcfg, device, autocast)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+def bench(gm, opt, task, tcfg, gcfg, device, autocast, graphed=None):
+    """Median wall time of one optimizer step after 2 warm-up steps, and peak memory (RSS on CPU).
+    FLOPs and the profile come from an eager step (a graph replay bypasses the counters)."""
+    def median_step(graphed):
+        times = []
+        for step in range(tcfg.bench + 2):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            train_step(gm, opt, task, step, tcfg, device, autocast, graphed)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[2:])
+
+    sec = median_step(graphed)
     peak_gb = peak_memory_gb(device)
+    extra = {} if graphed is None else dict(eager_s_per_step=median_step(None))   # the gain, side by side
     with FlopCounterMode(display=False) as fc:    # matmul FLOPs of one step, backward and double backward included
         train_step(gm, opt, task, 0, tcfg, device, autocast)
     if tcfg.profile:                              # where the time goes: self time per aten op, one step
@@ -389,9 +472,9 @@ def bench(gm, opt, task, tcfg, gcfg, device, autocast):
             train_step(gm, opt, task, 0, tcfg, device, autocast)
         key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=40))
-    sec = statistics.median(times[2:])
-    res = dict(median_s_per_step=sec, peak_gb=peak_gb, device=device, threads=torch.get_num_threads(),
+    res = dict(median_s_per_step=sec, **extra, peak_gb=peak_gb, device=device, threads=torch.get_num_threads(),
                model=tcfg.model, pairs=tcfg.pairs, batch_size=tcfg.batch_size, grad_accum=tcfg.grad_accum, K=gcfg.K, attn=gcfg.attn,
+               cuda_graph=graphed is not None,
                steps=tcfg.bench, gflop_per_step=fc.get_total_flops() / 1e9,
                achieved_gflops=fc.get_total_flops() / 1e9 / sec, matmul_peak_gflops=matmul_peak_gflops(device))
     print(json.dumps(res))
