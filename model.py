@@ -200,9 +200,9 @@ class GPT(nn.Module):
         runs block i in place of `block(x, rope, attn)`: per-layer memories (ARMT, baselines.py) hook in there.
         prefix: optional (B, n_layer, 2, P, C) per-layer key/value slots seen by every query (App. J)."""
         B, T, C = x.size()
-        assert T <= self.config.block_size, f"sequence of {T} tokens exceeds block_size {self.config.block_size}"
         rope = None
-        if self.config.pos == "learned":
+        if self.config.pos == "learned":                     # RoPE has no length limit; learned positions do
+            assert T <= self.config.block_size, f"sequence of {T} tokens exceeds block_size {self.config.block_size}"
             x = x + self.transformer.wpe(torch.arange(T, device=x.device))
         else:
             ang = torch.arange(T, device=x.device, dtype=self.rope_inv_freq.dtype)[:, None] * self.rope_inv_freq[None, :]

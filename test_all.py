@@ -12,7 +12,9 @@ import re
 
 import numpy as np
 import pytest
-import torch
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cuBLAS, for the GPU-only test
+import torch  # noqa: E402
 import torch.nn.functional as F
 
 import attention_hvp
@@ -672,7 +674,7 @@ def run_fails(argv, match):
     assert "\n" not in e.value.code
 
 
-def test_bad_input_fails_cleanly_and_keeps_checkpoints(tmp_path):
+def test_bad_input_fails_cleanly_and_keeps_checkpoints(tmp_path, monkeypatch):
     good = str(tmp_path / "good")
     train.main(SMALL + ["--K=1", "--max_steps=2", f"--out_dir={good}"])
     ck = os.path.join(good, "ckpt.pt")
@@ -690,6 +692,26 @@ def test_bad_input_fails_cleanly_and_keeps_checkpoints(tmp_path):
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--alpha=inf"], "--alpha")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--min_lr=1"], "--min_lr")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--profile"], "--bench")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--n_eval=0"], "--n_eval")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--pairs=300", "--pos=learned"], "learned positions")
+    log_before = sha(os.path.join(good, "log.jsonl"))
+    run_fails(SMALL + [f"--out_dir={good}", f"--init_from={good}/best.pt"], "--resume")    # init_from into a run
+    assert sha(os.path.join(good, "log.jsonl")) == log_before
+    ck_partial = torch.load(ck, weights_only=True)
+    del ck_partial["optimizer"]
+    os.makedirs(tmp_path / "p")
+    torch.save(ck_partial, tmp_path / "p" / "ckpt.pt")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/p", "--resume"], "missing .'optimizer'.")
+    # weights made non-finite by the last step (here: an optimizer that writes a NaN) are never evaluated or saved
+    step = torch.optim.AdamW.step
+    def nan_step(self, *a, **kw):
+        out = step(self, *a, **kw)
+        self.param_groups[0]["params"][0].data[0] = float("nan")
+        return out
+    monkeypatch.setattr(torch.optim.AdamW, "step", nan_step)
+    run_fails(SMALL + [f"--out_dir={tmp_path}/w", f"--init_from={ck}", "--max_steps=1"], "non-finite weights after step 1")
+    assert not os.path.exists(tmp_path / "w" / "ckpt.pt")
+    monkeypatch.undo()
     # a diverging run stops with the step number and writes no checkpoint
     run_fails(SMALL + [f"--out_dir={tmp_path}/z", f"--init_from={ck}", "--lr=1e30", "--max_steps=3"],
               "non-finite loss at step 1")

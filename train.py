@@ -76,6 +76,8 @@ class TrainConfig:
             raise ValueError("--profile profiles a --bench step: give --bench N as well")
         if self.decay_steps < 0 or not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"--decay_steps must be >= 0 and --min_lr in [0, --lr], got {self.decay_steps}, {self.min_lr}")
+        if self.n_eval < 1:
+            raise ValueError(f"--n_eval must be >= 1, got {self.n_eval}")
         if not self.lr > 0 or self.max_steps < 0 or self.eval_interval < 1 or self.log_interval < 1:
             raise ValueError("--lr must be > 0, --max_steps >= 0, --eval_interval and --log_interval >= 1")
 
@@ -131,12 +133,14 @@ def parse_args(argv):
         raise RunError(str(e)) from None
 
 
-def load_checkpoint(path):
+def load_checkpoint(path, resume=False):
+    """A train.py checkpoint (weights_only); --resume also needs the optimizer state, RNG state and best EM."""
     if not os.path.isfile(path):
         raise RunError(f"checkpoint not found: {path}")
+    need = {"model", "config", "step"} | ({"optimizer", "rng", "best_em"} if resume else set())
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        assert isinstance(ckpt, dict) and {"model", "config", "step"} <= ckpt.keys()
+        assert isinstance(ckpt, dict) and need <= ckpt.keys(), f"missing {sorted(need - set(ckpt))}"
     except Exception as e:
         raise RunError(f"cannot read checkpoint {path}: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else 'not a gradmem checkpoint'}") from None
     return ckpt
@@ -234,8 +238,11 @@ class GraphedStep:
                 self._pass()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self._pass()
+        try:
+            with torch.cuda.graph(self.graph):
+                self.out = self._pass()
+        except RuntimeError as e:
+            raise RunError(f"--cuda_graph: capture failed ({str(e).splitlines()[0]}); run without --cuda_graph") from None
         ref = [g.clone() for g in self._pass()["grads"]]          # eager, same inputs
         self.graph.replay()
         err = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item() for a, b in zip(self.out["grads"], ref))
@@ -338,14 +345,21 @@ def run(cfgs, argv):
         save_jsonl(os.path.join(tcfg.out_dir, "eval.jsonl"), task.eval)
         print(f"wrote {tcfg.write_split} train and {len(task.eval[0])} eval samples to {tcfg.out_dir}")
         return None
+    one = task.train_batch(0, 1)
+    longest = sum(one[k].size(1) for k in ("ctx", "q", "y")) + 2 * gcfg.n_mem     # [M; C; M] or [C; Q; Y] and more
+    if cfgs["model"].pos == "learned" and longest > cfgs["model"].block_size:
+        raise RunError(f"--pairs {tcfg.pairs} needs {longest} positions, more than the {cfgs['model'].block_size} "
+                       "learned positions (--pos rope has no limit)")
     if not tcfg.grad_accum:
-        write_len = task.train_batch(0, 1)["ctx"].size(1) + 2 * gcfg.n_mem
+        write_len = one["ctx"].size(1) + 2 * gcfg.n_mem
         tcfg.grad_accum = auto_grad_accum(tcfg.batch_size, write_len, gcfg.K)
     gm = build(cfgs).to(device)
     opt = torch.optim.AdamW(gm.parameters(), lr=tcfg.lr, betas=(0.9, 0.999), weight_decay=tcfg.weight_decay)
     ckpt_path, step, best_em = os.path.join(tcfg.out_dir, "ckpt.pt"), 0, -1.0
+    if not tcfg.resume and not tcfg.bench and os.path.exists(ckpt_path):   # --init_from included: never overwrite a run
+        raise RunError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out_dir")
     if tcfg.resume:
-        ckpt = load_checkpoint(ckpt_path)
+        ckpt = load_checkpoint(ckpt_path, resume=True)
         check_match(ckpt_path, ckpt["config"], cfgs, ["model", "gradmem", "train"])
         gm.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
@@ -353,8 +367,6 @@ def run(cfgs, argv):
         torch.set_rng_state(ckpt["rng"])
     elif tcfg.init_from:
         init_from(gm, tcfg.init_from, cfgs)
-    elif not tcfg.bench and os.path.exists(ckpt_path):
-        raise RunError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out_dir")
     graphed = make_graphed(gm, task, tcfg, device, autocast)
     if tcfg.bench:
         return bench(gm, opt, task, tcfg, gcfg, device, autocast, graphed)
@@ -389,6 +401,8 @@ def run(cfgs, argv):
             tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items() if k != "kind"))
         bar.set_postfix(loss=f"{logs['loss']:.3f}", em=f"{last['em']:.3f}" if last else "-")
         if done % tcfg.eval_interval == 0 or done == tcfg.max_steps:
+            if not all(torch.isfinite(p).all() for p in gm.parameters()):
+                raise RunError(f"non-finite weights after step {done}; stopped without saving (try a smaller --lr)")
             last = dict(kind="eval", step=done, K_eval=K_eval, time=time.time() - t0, **evaluate(gm, task, K_eval, device))
             log(last)
             tqdm.write(f"eval step {done}: EM {last['em']:.4f} | token acc {last['acc']:.4f} | WRITE loss(M_0) {last['write_loss0']:.3f}")
