@@ -14,6 +14,7 @@ to the context, [C; M], and read by every token of [Q; Y] before that layer:
     phi(x)  = normalize(DPFP_nu(x)),  DPFP_nu(x) = [x'; ...; x'] * [roll(x', 1); ...; roll(x', nu)], x' = [relu x; relu -x]
     write   k = phi(W_k t), v = W_v t, beta = sigmoid(W_b t), v_old = A^T k / (z . k)   (0 for the first write)
             A <- A + sum_t beta_t k_t (v_t - v_old_t)^T,   z <- z + sum_t gamma_t k_t,  gamma = clip(1 - z.k / |k|^2, 0, 1)
+            (gamma is a constant in backprop, a stop-gradient)
     read    q = phi(W_q h),  h <- h + A^T q / (z . q)
 with d_mem = 64 (d_key = 2 * 64 * nu), nu = 3, as in the paper's KV runs.
 
@@ -45,6 +46,9 @@ def outputs(task_loss, logits, mem=None):
 
 
 class RMT(nn.Module):
+    """RMT (Bulatov et al., NeurIPS 2022), two segments: forward-only WRITE M_{k+1} = W f([M_k; C; M_k])[-m:],
+    K times; READ [M_K; Q; Y] as GradMem's (module docstring)."""
+
     def __init__(self, model, n_mem, K):
         super().__init__()
         self.model, self.K = model, K
@@ -133,6 +137,9 @@ class AssociativeMemory(nn.Module):
 
 
 class ARMT(nn.Module):
+    """ARMT (Rodkin et al., 2024), two segments: segment 1 [C; M] writes every layer's AssociativeMemory from its
+    memory-token outputs (delta rule, module docstring); segment 2 [Q; Y] reads it in every layer."""
+
     def __init__(self, model, n_mem, d_mem=64, nu=3):
         super().__init__()
         self.model = model
@@ -200,6 +207,10 @@ def ssd_chunked(x, dt, A, B, C, chunk=16):
 
 
 class Mamba2Block(nn.Module):
+    """Mamba-2 mixer (Dao & Gu, ICML 2024): in-projection to z, [x B C], dt; causal depthwise conv and silu on
+    [x B C]; the SSD recurrence H_t = exp(dt_t A) H_{t-1} + dt_t x_t B_t^T, y_t = H_t C_t + D x_t (ssd_chunked);
+    gated by silu(z), RMS-normalised, out-projected."""
+
     def __init__(self, d, d_state=16, headdim=32, expand=2, d_conv=4):
         super().__init__()
         self.d_inner, self.d_state, self.headdim = expand * d, d_state, headdim

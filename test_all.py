@@ -548,6 +548,11 @@ def test_train_then_eval_smoke(tmp_path, capsys):
     assert [r["K_eval"] for r in res] == [0, 1, 3]
     assert res[1]["em"] == pytest.approx(last["em"]) and res[1]["acc"] == pytest.approx(last["acc"])
     assert res[0]["write_loss_all"] > res[1]["write_loss_all"]              # a WRITE step lowers L_write
+    N = 2                                 # Fig. 4b split: 2N key, 2N value and 3N+1 separator positions partition C
+    for r in res:
+        parts = 2 * N * r["write_loss_key"] + 2 * N * r["write_loss_value"] + (3 * N + 1) * r["write_loss_sep"]
+        assert parts / (7 * N + 1) == pytest.approx(r["write_loss_all"], rel=1e-5)
+        assert r["write_loss_key"] != pytest.approx(r["write_loss_value"], rel=1e-3)
     assert json.load(open(os.path.join(out, "eval.json")))["results"][2]["K_eval"] == 3
     plot.main(["curves", os.path.join(out, "log.jsonl"), "-o", str(tmp_path / "c.png")])
     plot.main(["keval", os.path.join(out, "eval.json"), "-o", str(tmp_path / "k.png")])
