@@ -57,6 +57,13 @@ def sample_kv(rng, B, n_pairs):
     return ctx, q, y
 
 
+def queried_pair(ctx, q):
+    """Index (0..N-1) of the pair whose key the query asks for, from the token ids: ctx (B, 7N+1), q (B, 5)."""
+    pairs = ctx[:, :-1].reshape(ctx.shape[0], -1, 7)                       # (B, N, 7): ! k k : v v !
+    hit = (pairs[:, :, 1] == q[:, 2:3]) & (pairs[:, :, 2] == q[:, 3:4])
+    return hit.int().argmax(1)
+
+
 def context_kinds(n_pairs):
     """(7N+1,) array marking each context position SEP, KEY or VALUE."""
     one = [SEP, KEY, KEY, SEP, VALUE, VALUE, SEP]

@@ -4,7 +4,8 @@ Evaluate a GradMem checkpoint (arXiv:2603.13875v2) on held-out KV retrieval, reb
     python eval.py out/kv8/best.pt --K_eval 1 2 5 10        # Figure 4a: more WRITE steps at test time
 
 For each K in --K_eval it reports exact match and token accuracy of the value characters after K WRITE steps,
-and the WRITE loss L_write(M_K) (Eq. 4) split into key, value and separator tokens (Figure 4b, Appendix E).
+and the WRITE loss L_write(M_K) (Eq. 4) split into key, value and separator tokens (Figure 4b, Appendix E),
+and EM split by the position of the queried pair in the context (which pairs the memory keeps).
 Prints a table and writes the same numbers as JSON (--out, default <ckpt dir>/eval.json).
 """
 import argparse
@@ -15,7 +16,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from data import KEY, SEP, VALUE, KVTask, context_kinds
+from data import KEY, SEP, VALUE, KVTask, context_kinds, queried_pair
 from gradmem import GradMem, GradMemConfig, read_loss, score, write, write_loss
 from model import GPTConfig
 from train import RunError, TrainConfig, build, load_checkpoint
@@ -40,11 +41,30 @@ def evaluate_baseline(gm, task, K_list, device, batch_size=250):
     res = []
     for K in K_list:
         em = acc = 0.0
+        by_pair = ByPair(task.n_pairs, device)
         for b in task.eval_batches(batch_size, device):
-            e, a = score(gm(b["ctx"], b["q"], b["y"], K=K)["logits"], b["y"], b["y_mask"])
+            logits = gm(b["ctx"], b["q"], b["y"], K=K)["logits"]
+            e, a = score(logits, b["y"], b["y_mask"])
             em, acc = em + e * len(b["y"]), acc + a * len(b["y"])
-        res.append(dict(K_eval=K, em=em / len(task.eval[0]), acc=acc / len(task.eval[0])))
+            by_pair.add(logits, b)
+        res.append(dict(K_eval=K, em=em / len(task.eval[0]), acc=acc / len(task.eval[0]), **by_pair.result()))
     return res
+
+
+class ByPair:
+    """Exact match split by the position of the queried pair in the context (1st ... N-th written)."""
+
+    def __init__(self, n_pairs, device):
+        self.hits, self.count = torch.zeros(n_pairs, device=device), torch.zeros(n_pairs, device=device)
+
+    def add(self, logits, b):
+        hit = ((logits.argmax(-1) == b["y"]) | ~b["y_mask"]).all(1).float()
+        i = queried_pair(b["ctx"], b["q"])
+        self.hits.index_add_(0, i, hit)
+        self.count.index_add_(0, i, torch.ones_like(hit))
+
+    def result(self):
+        return dict(em_by_pair=(self.hits / self.count.clamp(min=1)).tolist(), n_by_pair=self.count.long().tolist())
 
 
 @torch.no_grad()
@@ -55,6 +75,7 @@ def evaluate_ks(gm, task, K_list, device, batch_size=250):
     kinds = torch.as_tensor(context_kinds(task.n_pairs), device=device)
     head = gm.write_head if gm.write_head is not None else gm.model.lm_head
     sums = {K: dict(em=0.0, acc=0.0, **{f"write_loss_{n}": 0.0 for n in ("all", "key", "value", "sep")}) for K in K_list}
+    by_pair = {K: ByPair(task.n_pairs, device) for K in K_list}
     n = 0
     for b in tqdm(list(task.eval_batches(batch_size, device)), desc="eval", disable=None):
         B, mem = b["ctx"].size(0), None
@@ -66,6 +87,7 @@ def evaluate_ks(gm, task, K_list, device, batch_size=250):
                 _, nll = write_loss(gm.model, head, mem, b["ctx"])        # Eq. (4) at M_k, per token
             _, logits = read_loss(gm.model, mem, b["q"], b["y"])
             em, acc = score(logits, b["y"], b["y_mask"])
+            by_pair[k].add(logits, b)
             s = sums[k]
             s["em"] += em * B
             s["acc"] += acc * B
@@ -73,7 +95,7 @@ def evaluate_ks(gm, task, K_list, device, batch_size=250):
                 tok = nll if sel is None else nll[:, kinds == sel]
                 s[f"write_loss_{name}"] += tok.mean(1).sum().item()
         n += B
-    return [dict(K_eval=K, **{k: v / n for k, v in sums[K].items()}) for K in K_list]
+    return [dict(K_eval=K, **{k: v / n for k, v in sums[K].items()}, **by_pair[K].result()) for K in K_list]
 
 
 def main(argv=None):
@@ -107,6 +129,9 @@ def main(argv=None):
         wl = " ".join(f"{r.get(f'write_loss_{n}', float('nan')):>{w}.4f}" for n, w in (("all", 8), ("key", 7),
                                                                                       ("value", 7), ("sep", 7)))
         print(f"{r['K_eval']:>6} {r['em']:>7.4f} {r['acc']:>8.4f} {wl}")
+    for r in results:
+        print(f"K_eval={r['K_eval']}: EM by queried pair, 1st..{pairs}th written: "
+              + " ".join(f"{x:.2f}" for x in r["em_by_pair"]))
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval.json")
     with open(out + ".tmp", "w") as f:
         json.dump(dict(ckpt=args.ckpt, pairs=pairs, n_eval=len(task.eval[0]), K_train=cfg["gradmem"]["K"],

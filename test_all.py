@@ -548,6 +548,9 @@ def test_train_then_eval_smoke(tmp_path, capsys):
     assert [r["K_eval"] for r in res] == [0, 1, 3]
     assert res[1]["em"] == pytest.approx(last["em"]) and res[1]["acc"] == pytest.approx(last["acc"])
     assert res[0]["write_loss_all"] > res[1]["write_loss_all"]              # a WRITE step lowers L_write
+    for r in res:                         # EM by queried pair: the per-pair counts and EMs recombine to the total
+        assert sum(r["n_by_pair"]) == 32 and sum(e * c for e, c in zip(r["em_by_pair"], r["n_by_pair"])) / 32 == \
+            pytest.approx(r["em"], abs=1e-6)
     N = 2                                 # Fig. 4b split: 2N key, 2N value and 3N+1 separator positions partition C
     for r in res:
         parts = 2 * N * r["write_loss_key"] + 2 * N * r["write_loss_value"] + (3 * N + 1) * r["write_loss_sep"]
@@ -568,6 +571,15 @@ def test_baseline_train_then_eval_smoke(model, tmp_path):
     last = train.main(SMALL + flags + ["--K=2", "--max_steps=2", f"--out_dir={out}"])
     res = eval_script.main([os.path.join(out, "best.pt"), "--K_eval", "2"])
     assert res[0]["em"] == pytest.approx(last["em"]) and res[0]["acc"] == pytest.approx(last["acc"])
+
+
+def test_queried_pair_matches_the_text():
+    ctx, q, _ = data.sample_kv(np.random.default_rng(3), 50, 6)
+    got = data.queried_pair(torch.as_tensor(ctx), torch.as_tensor(q))
+    for c, qq, i in zip(ctx, q, got.tolist()):
+        key = data.decode(qq)[2:4]                                  # "?!kk:" -> kk
+        assert data.decode(c).split("!!")[i].strip("!|").split(":")[0] == key
+    assert len(set(got.tolist())) == 6                              # every position gets queried in 50 draws
 
 
 def test_written_split_trains_byte_for_byte(tmp_path):
