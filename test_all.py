@@ -609,6 +609,7 @@ def test_resume_is_exact(tmp_path):
 def test_bench_and_profile(capsys):
     res = train.main(SMALL + ["--K=1", "--bench=1", "--profile"])
     assert res["median_s_per_step"] > 0 and res["gflop_per_step"] > 0 and res["peak_gb"] > 0
+    assert res["memory_floats"] == 2 * 16                                    # n_mem x n_embd (App. G)
     assert "aten::mm" in capsys.readouterr().out                            # the profiler's per-op table
 
 

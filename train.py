@@ -488,7 +488,7 @@ def bench(gm, opt, task, tcfg, gcfg, device, autocast, graphed=None):
         print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=40))
     res = dict(median_s_per_step=sec, **extra, peak_gb=peak_gb, device=device, threads=torch.get_num_threads(),
                model=tcfg.model, pairs=tcfg.pairs, batch_size=tcfg.batch_size, grad_accum=tcfg.grad_accum, K=gcfg.K, attn=gcfg.attn,
-               cuda_graph=graphed is not None,
+               cuda_graph=graphed is not None, memory_floats=gm.memory_floats(task.train_batch(0, 1)["ctx"].size(1)),
                steps=tcfg.bench, gflop_per_step=fc.get_total_flops() / 1e9,
                achieved_gflops=fc.get_total_flops() / 1e9 / sec, matmul_peak_gflops=matmul_peak_gflops(device))
     print(json.dumps(res))
