@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from data import KEY, SEP, VALUE, KVTask, context_kinds, queried_pair
-from gradmem import GradMem, GradMemConfig, read_loss, score, write, write_loss
+from gradmem import GradMem, GradMemConfig, read_loss, score, token_hits, write, write_loss
 from model import GPTConfig
 from train import RunError, TrainConfig, build, load_checkpoint
 
@@ -58,7 +58,7 @@ class ByPair:
         self.hits, self.count = torch.zeros(n_pairs, device=device), torch.zeros(n_pairs, device=device)
 
     def add(self, logits, b):
-        hit = ((logits.argmax(-1) == b["y"]) | ~b["y_mask"]).all(1).float()
+        hit = token_hits(logits, b["y"], b["y_mask"]).all(1).float()
         i = queried_pair(b["ctx"], b["q"])
         self.hits.index_add_(0, i, hit)
         self.count.index_add_(0, i, torch.ones_like(hit))

@@ -130,8 +130,13 @@ def read_loss(model, mem, q, y):
 
 
 @torch.no_grad()
+def token_hits(logits, y, y_mask):
+    """(B, L) True where a target token is right or not scored."""
+    return (logits.argmax(-1) == y) | ~y_mask
+
+
 def score(logits, y, y_mask):
     """Exact match of all scored target tokens, and token accuracy. Teacher-forced argmax equals greedy
     decoding here: a sample counts only if every scored token is right, in which case both agree."""
-    hit = (logits.argmax(-1) == y) | ~y_mask
+    hit = token_hits(logits, y, y_mask)
     return hit.all(1).float().mean().item(), ((hit & y_mask).sum() / y_mask.sum()).item()

@@ -369,8 +369,8 @@ def run(cfgs, argv):
         init_from(gm, tcfg.init_from, cfgs)
     graphed = make_graphed(gm, task, tcfg, device, autocast)
     if tcfg.bench:
-        return bench(gm, opt, task, tcfg, gcfg, device, autocast, graphed)
-    ctx_len = task.train_batch(0, 1)["ctx"].size(1)
+        return bench(gm, opt, task, tcfg, gcfg, device, autocast, graphed, one["ctx"].size(1))
+    ctx_len = one["ctx"].size(1)
     print(f"{tcfg.model}: {sum(p.numel() for p in gm.parameters()) / 1e6:.3f} M trained parameters; memory state "
           f"{gm.memory_floats(ctx_len)} floats for a {ctx_len}-token context (App. G); device {device}")
     header = dict(kind="header", argv=argv, config={k: asdict(c) for k, c in cfgs.items()}, torch=torch.__version__,
@@ -459,7 +459,7 @@ def matmul_peak_gflops(device, n=2048):
     return 2 * n ** 3 / statistics.median(times[2:]) / 1e9
 
 
-def bench(gm, opt, task, tcfg, gcfg, device, autocast, graphed=None):
+def bench(gm, opt, task, tcfg, gcfg, device, autocast, graphed=None, ctx_len=0):
     """Median wall time of one optimizer step after 2 warm-up steps, and peak memory (RSS on CPU).
     FLOPs and the profile come from an eager step (a graph replay bypasses the counters)."""
     def median_step(graphed):
@@ -488,7 +488,7 @@ def bench(gm, opt, task, tcfg, gcfg, device, autocast, graphed=None):
         print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=40))
     res = dict(median_s_per_step=sec, **extra, peak_gb=peak_gb, device=device, threads=torch.get_num_threads(),
                model=tcfg.model, pairs=tcfg.pairs, batch_size=tcfg.batch_size, grad_accum=tcfg.grad_accum, K=gcfg.K, attn=gcfg.attn,
-               cuda_graph=graphed is not None, memory_floats=gm.memory_floats(task.train_batch(0, 1)["ctx"].size(1)),
+               cuda_graph=graphed is not None, memory_floats=gm.memory_floats(ctx_len),
                steps=tcfg.bench, gflop_per_step=fc.get_total_flops() / 1e9,
                achieved_gflops=fc.get_total_flops() / 1e9 / sec, matmul_peak_gflops=matmul_peak_gflops(device))
     print(json.dumps(res))
