@@ -32,7 +32,7 @@ def load_model(path, device="cpu"):
         gm.load_state_dict(ckpt["model"])
     except (TypeError, ValueError, RuntimeError, KeyError) as e:
         raise RunError(f"checkpoint {path} does not rebuild a GradMem model: {str(e).splitlines()[0]}") from None
-    return gm.to(device).eval(), cfg
+    return gm.to(device).eval(), dict(cfg, pairs=ckpt.get("pairs", cfg["train"]["pairs"]))   # pairs trained at
 
 
 @torch.no_grad()
@@ -102,7 +102,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ckpt", help="checkpoint written by train.py (best.pt or ckpt.pt)")
     p.add_argument("--K_eval", type=int, nargs="+", default=None, help="WRITE steps at test time (default: the trained K)")
-    p.add_argument("--pairs", type=int, default=None, help="KV pairs (default: the trained --pairs)")
+    p.add_argument("--pairs", type=int, default=None, help="KV pairs (default: the pairs the checkpoint was trained at)")
     p.add_argument("--n_eval", type=int, default=None, help="held-out samples (default: the trained --n_eval)")
     p.add_argument("--eval_file", default="", help="evaluate on this JSONL split")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -115,7 +115,7 @@ def main(argv=None):
         K_list = args.K_eval or [cfg["gradmem"]["K"]]
         if min(K_list) < 0:
             raise RunError(f"--K_eval must be >= 0, got {K_list}")
-        pairs = args.pairs or tc["pairs"]
+        pairs = args.pairs or cfg["pairs"]            # a curriculum stage's checkpoint: its own number of pairs
         try:
             task = KVTask(pairs, tc["seed"], tc["eval_seed"], args.n_eval or tc["n_eval"], eval_file=args.eval_file or None)
         except (ValueError, OSError) as e:

@@ -529,7 +529,7 @@ def test_jsonl_roundtrip(tmp_path):
 # ---------------------------------------------------------------- train.py / eval.py end to end
 
 SMALL = ["--n_layer=1", "--n_embd=16", "--n_head=2", "--n_hidden=32", "--n_mem=2", "--pairs=2", "--batch_size=8",
-         "--n_eval=32", "--eval_interval=2", "--log_interval=1", "--device=cpu"]
+         "--n_eval=32", "--eval_interval=2", "--log_interval=1", "--device=cpu", "--curriculum_em=0"]
 
 
 def sha(path):
@@ -580,6 +580,40 @@ def test_queried_pair_matches_the_text():
         key = data.decode(qq)[2:4]                                  # "?!kk:" -> kk
         assert data.decode(c).split("!!")[i].strip("!|").split(":")[0] == key
     assert len(set(got.tolist())) == 6                              # every position gets queried in 50 draws
+
+
+def test_curriculum_stages():
+    stages = lambda **kw: train.curriculum(train.TrainConfig(**kw))
+    assert stages(pairs=8) == [1, 2, 4, 8] and stages(pairs=96) == [1, 2, 4, 8, 16, 32, 64, 96]
+    assert stages(pairs=1) == [1] and stages(pairs=3) == [1, 2, 3]
+    assert stages(pairs=8, curriculum_em=0.0) == [8] and stages(pairs=8, init_from="x.pt") == [8]
+
+
+def test_curriculum_run_moves_through_stages_and_resumes_exactly(tmp_path, monkeypatch):
+    # held-out EM is faked (1.0 below 4 pairs, 0.5 at 4) so that the stage changes are known; training is real
+    monkeypatch.setattr(train, "evaluate", lambda gm, task, K, device: dict(
+        em=1.0 if task.n_pairs < 4 else 0.5, acc=1.0, write_loss0=0.0))
+    seen, step_fn = [], train.train_step
+    monkeypatch.setattr(train, "train_step", lambda gm, opt, task, *a: seen.append(task.n_pairs) or step_fn(gm, opt, task, *a))
+    flags = SMALL[:-1] + ["--pairs=4", "--curriculum_em=0.9", "--K=1", "--eval_interval=1"]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    train.main(flags + ["--max_steps=4", f"--out_dir={full}"])
+    assert seen == [1, 2, 4, 4]                       # each step's batch has its stage's number of pairs
+    recs = [json.loads(l) for l in open(os.path.join(full, "log.jsonl"))]
+    assert [(r["step"], r["pairs"]) for r in recs if r["kind"] == "eval"] == [(1, 1), (2, 2), (3, 4), (4, 4)]
+    assert [(r["step"], r["pairs"]) for r in recs if r["kind"] == "stage"] == [(1, 2), (2, 4)]
+    load = lambda name, d=full: torch.load(os.path.join(d, name), weights_only=True)
+    assert [load(n)["pairs"] for n in ("best_n1.pt", "best_n2.pt", "best.pt", "ckpt.pt")] == [1, 2, 4, 4]
+    assert load("best_n1.pt")["step"] == 1 and load("best.pt")["step"] == 3       # best.pt: the last stage's best
+    seen.clear()
+    train.main(flags + ["--max_steps=1", f"--out_dir={part}"])                   # stopped as it moved on to 2 pairs
+    assert load("ckpt.pt", part)["pairs"] == 2
+    train.main(flags + ["--max_steps=4", f"--out_dir={part}", "--resume"])      # resumes in the 2-pair stage
+    assert seen == [1, 2, 4, 4]
+    a, b = load("ckpt.pt"), load("ckpt.pt", part)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert eval_script.main([os.path.join(full, "best_n2.pt"), "--n_eval=8"])[0]["em"] >= 0
+    assert json.load(open(os.path.join(full, "eval.json")))["pairs"] == 2          # eval.py: the stage's pairs
 
 
 def test_written_split_trains_byte_for_byte(tmp_path):

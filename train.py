@@ -53,6 +53,9 @@ class TrainConfig:
     eval_seed: int = 12345
     target_em: float = field(default=1.0, metadata={"help": "stop once held-out EM reaches this"})
     patience: int = field(default=0, metadata={"help": "stop after this many evals without a better EM (0: never)"})
+    curriculum_em: float = field(default=0.9, metadata={"help": "from scratch: train at 1, 2, 4, ... pairs up to --pairs, "
+                                 "moving on when held-out EM reaches this (App. B); 0: --pairs from the first step. "
+                                 "Off with --init_from or data files"})
     train_file: str = field(default="", metadata={"help": "train from this JSONL split instead of on-the-fly data"})
     eval_file: str = field(default="", metadata={"help": "evaluate on this JSONL split"})
     write_split: int = field(default=0, metadata={"help": "write N train samples and the eval set to out_dir as JSONL, then exit"})
@@ -78,6 +81,8 @@ class TrainConfig:
             raise ValueError(f"--decay_steps must be >= 0 and --min_lr in [0, --lr], got {self.decay_steps}, {self.min_lr}")
         if self.n_eval < 1:
             raise ValueError(f"--n_eval must be >= 1, got {self.n_eval}")
+        if not 0 <= self.curriculum_em <= 1:
+            raise ValueError(f"--curriculum_em must be in [0, 1], got {self.curriculum_em}")
         if not self.lr > 0 or self.max_steps < 0 or self.eval_interval < 1 or self.log_interval < 1:
             raise ValueError("--lr must be > 0, --max_steps >= 0, --eval_interval and --log_interval >= 1")
 
@@ -97,6 +102,17 @@ def auto_grad_accum(batch_size, write_len, K):
     """Smallest divisor of batch_size whose micro-batch keeps micro * write_len * K within TOKEN_STEPS."""
     return next(a for a in range(1, batch_size + 1)
                 if batch_size % a == 0 and (batch_size // a) * write_len * max(K, 1) <= TOKEN_STEPS or a == batch_size)
+
+
+def curriculum(tcfg):
+    """The stages of --pairs: 1, 2, 4, ... then --pairs itself. The paper trains its KV models from scratch with a
+    curriculum over the number of pairs, each stage starting from the previous one's weights (App. B)."""
+    if not tcfg.curriculum_em or tcfg.init_from or tcfg.train_file or tcfg.eval_file:
+        return [tcfg.pairs]
+    stages = [1]
+    while 2 * stages[-1] < tcfg.pairs:
+        stages.append(2 * stages[-1])
+    return stages if stages[-1] == tcfg.pairs else stages + [tcfg.pairs]
 
 
 def lr_at(step, tcfg):
@@ -175,9 +191,10 @@ def init_from(gm, path, cfgs):
     gm.load_state_dict(state)
 
 
-def save_checkpoint(path, gm, opt, step, best_em, cfgs):
+def save_checkpoint(path, gm, opt, step, best_em, cfgs, pairs):
+    """pairs: the number of pairs trained at (a curriculum stage below --pairs, or --pairs)."""
     ckpt = {"model": gm.state_dict(), "optimizer": opt.state_dict(), "step": step, "best_em": best_em,
-            "config": {k: asdict(c) for k, c in cfgs.items()}, "rng": torch.get_rng_state()}
+            "pairs": pairs, "config": {k: asdict(c) for k, c in cfgs.items()}, "rng": torch.get_rng_state()}
     torch.save(ckpt, path + ".tmp")
     os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written checkpoint
 
@@ -367,12 +384,21 @@ def run(cfgs, argv):
         torch.set_rng_state(ckpt["rng"])
     elif tcfg.init_from:
         init_from(gm, tcfg.init_from, cfgs)
-    graphed = make_graphed(gm, task, tcfg, device, autocast)
     if tcfg.bench:
-        return bench(gm, opt, task, tcfg, gcfg, device, autocast, graphed, one["ctx"].size(1))
+        return bench(gm, opt, task, tcfg, gcfg, device, autocast, make_graphed(gm, task, tcfg, device, autocast),
+                     one["ctx"].size(1))
     ctx_len = one["ctx"].size(1)
     print(f"{tcfg.model}: {sum(p.numel() for p in gm.parameters()) / 1e6:.3f} M trained parameters; memory state "
           f"{gm.memory_floats(ctx_len)} floats for a {ctx_len}-token context (App. G); device {device}")
+    stages = curriculum(tcfg)
+    pairs = ckpt.get("pairs", tcfg.pairs) if tcfg.resume else stages[0]     # the stage a resumed run was in
+    stages = stages[stages.index(pairs):] if pairs in stages else [pairs]
+    if len(stages) > 1:
+        print(f"curriculum over pairs: {' -> '.join(map(str, stages))}, the next stage once held-out EM >= "
+              f"{tcfg.curriculum_em} (--curriculum_em 0: train at --pairs {tcfg.pairs} from the start)")
+    if pairs != tcfg.pairs:
+        task = KVTask(pairs, tcfg.seed, tcfg.eval_seed, tcfg.n_eval)
+    graphed = make_graphed(gm, task, tcfg, device, autocast)
     header = dict(kind="header", argv=argv, config={k: asdict(c) for k, c in cfgs.items()}, torch=torch.__version__,
                   commit=git_commit(), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   threads=torch.get_num_threads(), resumed_at=step)
@@ -396,23 +422,32 @@ def run(cfgs, argv):
         logs = train_step(gm, opt, task, step, tcfg, device, autocast, graphed)
         done = step + 1
         if done % tcfg.log_interval == 0:
-            rec = dict(kind="train", step=done, lr=lr, time=time.time() - t0, **logs)
+            rec = dict(kind="train", step=done, pairs=pairs, lr=lr, time=time.time() - t0, **logs)
             log(rec)
             tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items() if k != "kind"))
         bar.set_postfix(loss=f"{logs['loss']:.3f}", em=f"{last['em']:.3f}" if last else "-")
         if done % tcfg.eval_interval == 0 or done == tcfg.max_steps:
             if not all(torch.isfinite(p).all() for p in gm.parameters()):
                 raise RunError(f"non-finite weights after step {done}; stopped without saving (try a smaller --lr)")
-            last = dict(kind="eval", step=done, K_eval=K_eval, time=time.time() - t0, **evaluate(gm, task, K_eval, device))
+            last = dict(kind="eval", step=done, pairs=pairs, K_eval=K_eval, time=time.time() - t0,
+                        **evaluate(gm, task, K_eval, device))
             log(last)
-            tqdm.write(f"eval step {done}: EM {last['em']:.4f} | token acc {last['acc']:.4f} | WRITE loss(M_0) {last['write_loss0']:.3f}")
+            tqdm.write(f"eval step {done} ({pairs} pairs): EM {last['em']:.4f} | token acc {last['acc']:.4f} | "
+                       f"WRITE loss(M_0) {last['write_loss0']:.3f}")
             if last["em"] > best_em:
                 best_em, since_best = last["em"], 0
-                save_checkpoint(os.path.join(tcfg.out_dir, "best.pt"), gm, opt, done, best_em, cfgs)
+                save_checkpoint(os.path.join(tcfg.out_dir, "best.pt"), gm, opt, done, best_em, cfgs, pairs)
             else:
                 since_best += 1
-            save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs)
-            if last["em"] >= tcfg.target_em:
+            if pairs < tcfg.pairs and last["em"] >= tcfg.curriculum_em:     # curriculum: on to the next stage
+                os.replace(os.path.join(tcfg.out_dir, "best.pt"), os.path.join(tcfg.out_dir, f"best_n{pairs}.pt"))
+                pairs = stages[stages.index(pairs) + 1]
+                task, best_em, since_best = KVTask(pairs, tcfg.seed, tcfg.eval_seed, tcfg.n_eval), -1.0, 0
+                graphed = make_graphed(gm, task, tcfg, device, autocast)
+                log(dict(kind="stage", step=done, pairs=pairs, time=time.time() - t0))
+                tqdm.write(f"curriculum: {pairs} pairs from step {done}")
+            save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs, pairs)
+            if last["pairs"] == tcfg.pairs and last["em"] >= tcfg.target_em:
                 tqdm.write(f"reached target EM {tcfg.target_em} at step {done} ({time.time() - t0:.0f} s)")
                 break
             if tcfg.patience and since_best >= tcfg.patience:
