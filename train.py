@@ -1,8 +1,8 @@
 """
 Train GradMem (arXiv:2603.13875v2) on associative key-value retrieval (§3.1, Table 1).
 
-    python train.py --task kv --pairs 8 --K 1                       # from scratch
-    python train.py --task kv --pairs 16 --K 1 --init_from out/kv8/best.pt --out_dir out/kv16   # curriculum
+    python train.py --task kv --pairs 8 --K 1                       # from scratch: 1 -> 2 -> 4 -> 8 pairs (App. B)
+    python train.py --task kv --pairs 16 --K 1 --init_from out/kv8/best.pt --out_dir out/kv16   # the next stage by hand
     python train.py --out_dir out/kv8 --resume                      # continue a run exactly
     python train.py --pairs 16 --K 5 --batch_size 32 --bench 5      # median s/step and peak memory
 
