@@ -19,7 +19,7 @@ from tqdm import tqdm
 from data import KEY, SEP, VALUE, KVTask, context_kinds, queried_pair
 from gradmem import GradMem, GradMemConfig, read_loss, score, token_hits, write, write_loss
 from model import GPTConfig
-from train import RunError, TrainConfig, build, load_checkpoint
+from train import RunError, TrainConfig, build, load_checkpoint, set_pairs
 
 
 def load_model(path, device="cpu"):
@@ -120,6 +120,7 @@ def main(argv=None):
             task = KVTask(pairs, tc["seed"], tc["eval_seed"], args.n_eval or tc["n_eval"], eval_file=args.eval_file or None)
         except (ValueError, OSError) as e:
             raise RunError(str(e)) from None
+        set_pairs(gm, pairs)
         results = evaluate_ks(gm, task, sorted(set(K_list)), device)
     except RunError as e:
         sys.exit(f"eval.py: error: {e}")

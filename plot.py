@@ -4,7 +4,8 @@ Figures for GradMem (arXiv:2603.13875v2) from this project's own logs: reads onl
     python plot.py curves results/kv4/log.jsonl results/kv8/log.jsonl -o results/curves.png   # held-out EM vs step
     python plot.py keval results/kv8/eval.json -o results/fig4.png                           # Figure 4a/4b
 
-`curves` plots held-out exact match against training step (and wall time) for each run;
+`curves` plots held-out exact match against training step (and wall time) for each run, with a dotted line where a
+run's curriculum moved on to more pairs;
 `keval` plots EM against K_eval (Fig. 4a) and the WRITE loss on key and value tokens (Fig. 4b, App. E).
 """
 import argparse
@@ -45,6 +46,11 @@ def wall_minutes(ev):
     return out
 
 
+def stage_changes(recs):
+    """The curriculum's stage records (train.py --curriculum_em), each with the step and the new number of pairs."""
+    return [r for r in recs if r.get("kind") == "stage"]
+
+
 def plot_curves(paths, out):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for path in paths:
@@ -53,8 +59,11 @@ def plot_curves(paths, out):
         if not ev:
             raise ValueError(f"{path}: no eval records")
         lab = label_of(path, recs)
-        ax1.plot([r["step"] for r in ev], [100 * r["em"] for r in ev], label=lab)
+        line, = ax1.plot([r["step"] for r in ev], [100 * r["em"] for r in ev], label=lab)
         ax2.plot(wall_minutes(ev), [100 * r["em"] for r in ev], label=lab)
+        for r in stage_changes(recs):      # --curriculum_em: where the run moved on to more pairs
+            ax1.axvline(r["step"], ls=":", lw=0.8, color=line.get_color())
+            ax1.annotate(f"N={r['pairs']}", (r["step"], 2), fontsize=7, color=line.get_color(), rotation=90)
     ax1.set(xlabel="training step", ylabel="held-out exact match (%)", title="KV retrieval")
     ax2.set(xlabel="wall time of the run (min)", ylabel="held-out exact match (%)")
     for ax in (ax1, ax2):

@@ -614,6 +614,18 @@ def test_curriculum_run_moves_through_stages_and_resumes_exactly(tmp_path, monke
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert eval_script.main([os.path.join(full, "best_n2.pt"), "--n_eval=8"])[0]["em"] >= 0
     assert json.load(open(os.path.join(full, "eval.json")))["pairs"] == 2          # eval.py: the stage's pairs
+    assert [r["pairs"] for r in plot.stage_changes(recs)] == [2, 4]
+    plot.main(["curves", os.path.join(full, "log.jsonl"), "-o", str(tmp_path / "c.png")])
+
+
+def test_curriculum_lact_writes_each_stage_context_in_one_update(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "evaluate", lambda gm, task, K, device: dict(em=1.0, acc=1.0, write_loss0=0.0))
+    seen, fwd = set(), baselines.LaCT.forward
+    monkeypatch.setattr(baselines.LaCT, "forward", lambda self, x: seen.add((x.size(1), self.chunk)) or fwd(self, x))
+    train.main(SMALL[:-1] + ["--model=lact", "--pairs=4", "--curriculum_em=0.9", "--eval_interval=1", "--max_steps=3",
+                             f"--out_dir={tmp_path}/lact"])
+    # [C; Q; Y[:-1]] is the context (7 N + 1 tokens, one chunk) plus 5 query and 3 answer tokens, at N = 1, 2, 4
+    assert sorted(seen) == [(7 * n + 9, 7 * n + 1) for n in (1, 2, 4)]
 
 
 def test_written_split_trains_byte_for_byte(tmp_path):

@@ -24,7 +24,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from baselines import ARMT, RMT, FullContext, LaCTLM, Mamba, TTTLinearLM
+from baselines import ARMT, RMT, FullContext, LaCT, LaCTLM, Mamba, TTTLinearLM
 from data import VOCAB, KVTask, save_jsonl
 from gradmem import GradMem, GradMemConfig, score
 from model import GPT, GPTConfig
@@ -218,6 +218,14 @@ def build(cfgs):
     return GradMem(GPT(mcfg), gcfg)
 
 
+def set_pairs(gm, pairs):
+    """A model evaluated or trained at another number of pairs than it was built for: LaCT's one fast-weight update
+    per context follows the context length (7 N + 1 tokens); the other models have no such setting."""
+    for m in gm.modules():
+        if isinstance(m, LaCT):
+            m.chunk = 7 * pairs + 1
+
+
 @torch.no_grad()
 def evaluate(gm, task, K, device, batch_size=250):
     """Held-out exact match and token accuracy of the value characters after K WRITE steps."""
@@ -398,6 +406,7 @@ def run(cfgs, argv):
               f"{tcfg.curriculum_em} (--curriculum_em 0: train at --pairs {tcfg.pairs} from the start)")
     if pairs != tcfg.pairs:
         task = KVTask(pairs, tcfg.seed, tcfg.eval_seed, tcfg.n_eval)
+        set_pairs(gm, pairs)
     graphed = make_graphed(gm, task, tcfg, device, autocast)
     header = dict(kind="header", argv=argv, config={k: asdict(c) for k, c in cfgs.items()}, torch=torch.__version__,
                   commit=git_commit(), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -443,6 +452,7 @@ def run(cfgs, argv):
                 os.replace(os.path.join(tcfg.out_dir, "best.pt"), os.path.join(tcfg.out_dir, f"best_n{pairs}.pt"))
                 pairs = stages[stages.index(pairs) + 1]
                 task, best_em, since_best = KVTask(pairs, tcfg.seed, tcfg.eval_seed, tcfg.n_eval), -1.0, 0
+                set_pairs(gm, pairs)
                 graphed = make_graphed(gm, task, tcfg, device, autocast)
                 log(dict(kind="stage", step=done, pairs=pairs, time=time.time() - t0))
                 tqdm.write(f"curriculum: {pairs} pairs from step {done}")
