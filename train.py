@@ -53,7 +53,7 @@ class TrainConfig:
     eval_seed: int = 12345
     target_em: float = field(default=1.0, metadata={"help": "stop once held-out EM reaches this"})
     patience: int = field(default=0, metadata={"help": "stop after this many evals without a better EM (0: never)"})
-    curriculum_em: float = field(default=0.9, metadata={"help": "from scratch: train at 1, 2, 4, ... pairs up to --pairs, "
+    curriculum_em: float = field(default=0.75, metadata={"help": "from scratch: train at 1, 2, 4, ... pairs up to --pairs, "
                                  "moving on when held-out EM reaches this (App. B); 0: --pairs from the first step. "
                                  "Off with --init_from or data files"})
     train_file: str = field(default="", metadata={"help": "train from this JSONL split instead of on-the-fly data"})
