@@ -116,6 +116,9 @@ def main(argv=None):
         if min(K_list) < 0:
             raise RunError(f"--K_eval must be >= 0, got {K_list}")
         pairs = args.pairs or cfg["pairs"]            # a curriculum stage's checkpoint: its own number of pairs
+        if not args.pairs and cfg["pairs"] != tc["pairs"]:
+            print(f"note: {args.ckpt} is from the curriculum's {cfg['pairs']}-pair stage of a --pairs {tc['pairs']} "
+                  f"run; evaluating at {cfg['pairs']} pairs (--pairs to choose)")
         try:
             task = KVTask(pairs, tc["seed"], tc["eval_seed"], args.n_eval or tc["n_eval"], eval_file=args.eval_file or None)
         except (ValueError, OSError) as e:

@@ -595,7 +595,7 @@ def test_curriculum_run_moves_through_stages_and_resumes_exactly(tmp_path, monke
         em=1.0 if task.n_pairs < 4 else 0.5, acc=1.0, write_loss0=0.0))
     seen, step_fn = [], train.train_step
     monkeypatch.setattr(train, "train_step", lambda gm, opt, task, *a: seen.append(task.n_pairs) or step_fn(gm, opt, task, *a))
-    flags = SMALL[:-1] + ["--pairs=4", "--curriculum_em=0.9", "--K=1", "--eval_interval=1"]
+    flags = SMALL + ["--pairs=4", "--curriculum_em=0.9", "--K=1", "--eval_interval=1"]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     train.main(flags + ["--max_steps=4", f"--out_dir={full}"])
     assert seen == [1, 2, 4, 4]                       # each step's batch has its stage's number of pairs
@@ -608,6 +608,7 @@ def test_curriculum_run_moves_through_stages_and_resumes_exactly(tmp_path, monke
     seen.clear()
     train.main(flags + ["--max_steps=1", f"--out_dir={part}"])                   # stopped as it moved on to 2 pairs
     assert load("ckpt.pt", part)["pairs"] == 2
+    assert load("best.pt", part)["pairs"] == 1 and load("best_n1.pt", part)["pairs"] == 1   # best.pt is kept
     train.main(flags + ["--max_steps=4", f"--out_dir={part}", "--resume"])      # resumes in the 2-pair stage
     assert seen == [1, 2, 4, 4]
     a, b = load("ckpt.pt"), load("ckpt.pt", part)
@@ -622,10 +623,24 @@ def test_curriculum_lact_writes_each_stage_context_in_one_update(tmp_path, monke
     monkeypatch.setattr(train, "evaluate", lambda gm, task, K, device: dict(em=1.0, acc=1.0, write_loss0=0.0))
     seen, fwd = set(), baselines.LaCT.forward
     monkeypatch.setattr(baselines.LaCT, "forward", lambda self, x: seen.add((x.size(1), self.chunk)) or fwd(self, x))
-    train.main(SMALL[:-1] + ["--model=lact", "--pairs=4", "--curriculum_em=0.9", "--eval_interval=1", "--max_steps=3",
+    train.main(SMALL + ["--model=lact", "--pairs=4", "--curriculum_em=0.9", "--eval_interval=1", "--max_steps=3",
                              f"--out_dir={tmp_path}/lact"])
     # [C; Q; Y[:-1]] is the context (7 N + 1 tokens, one chunk) plus 5 query and 3 answer tokens, at N = 1, 2, 4
     assert sorted(seen) == [(7 * n + 9, 7 * n + 1) for n in (1, 2, 4)]
+
+
+def test_resume_of_a_checkpoint_from_before_the_curriculum(tmp_path, monkeypatch):
+    out = str(tmp_path / "old")
+    train.main(SMALL + ["--K=1", "--max_steps=2", f"--out_dir={out}"])
+    ck = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    del ck["pairs"], ck["config"]["train"]["curriculum_em"]                  # as written before the curriculum
+    torch.save(ck, os.path.join(out, "ckpt.pt"))
+    seen, step_fn = [], train.train_step
+    monkeypatch.setattr(train, "train_step", lambda gm, opt, task, *a: seen.append(task.n_pairs) or step_fn(gm, opt, task, *a))
+    default = [f for f in SMALL if not f.startswith("--curriculum_em")]
+    train.main(default + ["--K=1", "--max_steps=3", f"--out_dir={out}", "--resume"])       # default --curriculum_em
+    train.main(SMALL + ["--K=1", "--max_steps=4", f"--out_dir={out}", "--resume"])         # --curriculum_em 0
+    assert seen == [2, 2]                              # it trained at --pairs, as it did before, and goes on there
 
 
 def test_written_split_trains_byte_for_byte(tmp_path):

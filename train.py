@@ -3,7 +3,7 @@ Train GradMem (arXiv:2603.13875v2) on associative key-value retrieval (§3.1, Ta
 
     python train.py --task kv --pairs 8 --K 1                       # from scratch: 1 -> 2 -> 4 -> 8 pairs (App. B)
     python train.py --task kv --pairs 16 --K 1 --init_from out/kv8/best.pt --out_dir out/kv16   # the next stage by hand
-    python train.py --out_dir out/kv8 --resume                      # continue a run exactly
+    python train.py --task kv --pairs 8 --K 1 --resume              # continue that run exactly (same flags)
     python train.py --pairs 16 --K 5 --batch_size 32 --bench 5      # median s/step and peak memory
 
 Every flag is a field of GPTConfig (model.py), GradMemConfig (gradmem.py) or TrainConfig (below).
@@ -13,6 +13,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -92,7 +93,7 @@ NOT_FLAGS = {"vocab_size", "block_size"}  # set by the task
 # fields a resumed run may change; every other field must equal the checkpoint's
 RESUMABLE = {"K_eval", "attn", "grad_accum", "max_steps", "eval_interval", "log_interval", "target_em", "patience",
              "resume", "init_from", "device", "bench", "profile", "cuda_graph",
-             "out_dir", "write_split"}
+             "out_dir", "write_split", "curriculum_em"}
 
 
 TOKEN_STEPS = 40_000  # auto --grad_accum budget: 64 pairs, K = 5 -> micro-batch 16, 8.3 GB peak RSS (README)
@@ -400,7 +401,9 @@ def run(cfgs, argv):
           f"{gm.memory_floats(ctx_len)} floats for a {ctx_len}-token context (App. G); device {device}")
     stages = curriculum(tcfg)
     pairs = ckpt.get("pairs", tcfg.pairs) if tcfg.resume else stages[0]     # the stage a resumed run was in
-    stages = stages[stages.index(pairs):] if pairs in stages else [pairs]
+    stages = sorted({pairs, tcfg.pairs} | {n for n in stages if n > pairs})   # from the stage trained now to --pairs
+    if tcfg.curriculum_em and tcfg.pairs > 1 and (tcfg.train_file or tcfg.eval_file) and not tcfg.init_from:
+        print("curriculum off: --train_file / --eval_file fix the number of pairs")
     if len(stages) > 1:
         print(f"curriculum over pairs: {' -> '.join(map(str, stages))}, the next stage once held-out EM >= "
               f"{tcfg.curriculum_em} (--curriculum_em 0: train at --pairs {tcfg.pairs} from the start)")
@@ -449,10 +452,13 @@ def run(cfgs, argv):
             else:
                 since_best += 1
             if pairs < tcfg.pairs and last["em"] >= tcfg.curriculum_em:     # curriculum: on to the next stage
-                os.replace(os.path.join(tcfg.out_dir, "best.pt"), os.path.join(tcfg.out_dir, f"best_n{pairs}.pt"))
+                keep = os.path.join(tcfg.out_dir, f"best_n{pairs}.pt")      # the stage's best, kept; best.pt stays
+                shutil.copyfile(os.path.join(tcfg.out_dir, "best.pt"), keep + ".tmp")   # until the next stage's
+                os.replace(keep + ".tmp", keep)                                         # first evaluation
                 pairs = stages[stages.index(pairs) + 1]
                 task, best_em, since_best = KVTask(pairs, tcfg.seed, tcfg.eval_seed, tcfg.n_eval), -1.0, 0
                 set_pairs(gm, pairs)
+                graphed = None                        # free the old graph's memory pool before capturing anew
                 graphed = make_graphed(gm, task, tcfg, device, autocast)
                 log(dict(kind="stage", step=done, pairs=pairs, time=time.time() - t0))
                 tqdm.write(f"curriculum: {pairs} pairs from step {done}")
@@ -464,6 +470,9 @@ def run(cfgs, argv):
                 tqdm.write(f"no better EM for {tcfg.patience} evaluations: stopping at step {done}")
                 break
     bar.close()
+    if pairs < tcfg.pairs:
+        tqdm.write(f"note: stopped in the curriculum's {pairs}-pair stage, before --pairs {tcfg.pairs}; eval.py "
+                   "evaluates a checkpoint at the pairs it was trained at; --resume continues the curriculum")
     return last
 
 
