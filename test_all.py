@@ -629,6 +629,17 @@ def test_curriculum_lact_writes_each_stage_context_in_one_update(tmp_path, monke
     assert sorted(seen) == [(7 * n + 9, 7 * n + 1) for n in (1, 2, 4)]
 
 
+def test_curriculum_sizes_the_automatic_micro_batch_per_stage(tmp_path, monkeypatch):
+    monkeypatch.setattr(train, "evaluate", lambda gm, task, K, device: dict(em=1.0, acc=1.0, write_loss0=0.0))
+    monkeypatch.setattr(train, "TOKEN_STEPS", 8 * (7 * 2 + 1 + 2 * 2))     # a full batch of 8 fits up to 2 pairs
+    seen, step_fn = [], train.train_step
+    monkeypatch.setattr(train, "train_step", lambda gm, opt, task, step, tcfg, *a:
+                        seen.append((task.n_pairs, tcfg.grad_accum)) or step_fn(gm, opt, task, step, tcfg, *a))
+    train.main(SMALL + ["--pairs=4", "--curriculum_em=0.9", "--K=1", "--eval_interval=1", "--max_steps=3",
+                        f"--out_dir={tmp_path}/acc"])
+    assert seen == [(1, 1), (2, 1), (4, 2)]            # 4 pairs: 8 x 33 tokens > the budget, so 2 micro-batches
+
+
 def test_resume_of_a_checkpoint_from_before_the_curriculum(tmp_path, monkeypatch):
     out = str(tmp_path / "old")
     train.main(SMALL + ["--K=1", "--max_steps=2", f"--out_dir={out}"])

@@ -376,7 +376,8 @@ def run(cfgs, argv):
     if cfgs["model"].pos == "learned" and longest > cfgs["model"].block_size:
         raise RunError(f"--pairs {tcfg.pairs} needs {longest} positions, more than the {cfgs['model'].block_size} "
                        "learned positions (--pos rope has no limit)")
-    if not tcfg.grad_accum:
+    auto_accum = not tcfg.grad_accum
+    if auto_accum:
         write_len = one["ctx"].size(1) + 2 * gcfg.n_mem
         tcfg.grad_accum = auto_grad_accum(tcfg.batch_size, write_len, gcfg.K)
     gm = build(cfgs).to(device)
@@ -407,9 +408,16 @@ def run(cfgs, argv):
     if len(stages) > 1:
         print(f"curriculum over pairs: {' -> '.join(map(str, stages))}, the next stage once held-out EM >= "
               f"{tcfg.curriculum_em} (--curriculum_em 0: train at --pairs {tcfg.pairs} from the start)")
+
+    def stage(n):
+        """Data, LaCT's chunk and the automatic micro-batch for a curriculum stage of n pairs."""
+        if auto_accum:
+            tcfg.grad_accum = auto_grad_accum(tcfg.batch_size, 7 * n + 1 + 2 * gcfg.n_mem, gcfg.K)
+        set_pairs(gm, n)
+        return KVTask(n, tcfg.seed, tcfg.eval_seed, tcfg.n_eval)
+
     if pairs != tcfg.pairs:
-        task = KVTask(pairs, tcfg.seed, tcfg.eval_seed, tcfg.n_eval)
-        set_pairs(gm, pairs)
+        task = stage(pairs)
     graphed = make_graphed(gm, task, tcfg, device, autocast)
     header = dict(kind="header", argv=argv, config={k: asdict(c) for k, c in cfgs.items()}, torch=torch.__version__,
                   commit=git_commit(), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -456,8 +464,7 @@ def run(cfgs, argv):
                 shutil.copyfile(os.path.join(tcfg.out_dir, "best.pt"), keep + ".tmp")   # until the next stage's
                 os.replace(keep + ".tmp", keep)                                         # first evaluation
                 pairs = stages[stages.index(pairs) + 1]
-                task, best_em, since_best = KVTask(pairs, tcfg.seed, tcfg.eval_seed, tcfg.n_eval), -1.0, 0
-                set_pairs(gm, pairs)
+                task, best_em, since_best = stage(pairs), -1.0, 0
                 graphed = None                        # free the old graph's memory pool before capturing anew
                 graphed = make_graphed(gm, task, tcfg, device, autocast)
                 log(dict(kind="stage", step=done, pairs=pairs, time=time.time() - t0))
