@@ -63,7 +63,8 @@ def plot_curves(paths, out):
         ax2.plot(wall_minutes(ev), [100 * r["em"] for r in ev], label=lab)
         for r in stage_changes(recs):      # --curriculum_em: where the run moved on to more pairs
             ax1.axvline(r["step"], ls=":", lw=0.8, color=line.get_color())
-            ax1.annotate(f"N={r['pairs']}", (r["step"], 2), fontsize=7, color=line.get_color(), rotation=90)
+            ax1.annotate(f" N={r['pairs']}", (r["step"], 0.02), xycoords=("data", "axes fraction"), fontsize=7,
+                         color=line.get_color(), rotation=90, va="bottom")
     ax1.set(xlabel="training step", ylabel="held-out exact match (%)", title="KV retrieval")
     ax2.set(xlabel="wall time of the run (min)", ylabel="held-out exact match (%)")
     for ax in (ax1, ax2):
