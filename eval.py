@@ -102,6 +102,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ckpt", help="checkpoint written by train.py (best.pt or ckpt.pt)")
     p.add_argument("--K_eval", type=int, nargs="+", default=None, help="WRITE steps at test time (default: the trained K)")
+    p.add_argument("--alpha", type=float, default=None, help="inner lr alpha of Eq. (5) at test time (default: the trained one)")
     p.add_argument("--pairs", type=int, default=None, help="KV pairs (default: the pairs the checkpoint was trained at)")
     p.add_argument("--n_eval", type=int, default=None, help="held-out samples (default: the trained --n_eval)")
     p.add_argument("--eval_file", default="", help="evaluate on this JSONL split")
@@ -113,6 +114,10 @@ def main(argv=None):
         gm, cfg = load_model(args.ckpt, device)
         tc = cfg["train"]
         K_list = args.K_eval or [cfg["gradmem"]["K"]]
+        if args.alpha is not None:
+            if not isinstance(gm, GradMem) or not 0 < args.alpha < float("inf"):
+                raise RunError(f"--alpha needs a GradMem checkpoint and a finite alpha > 0, got {args.alpha}")
+            gm.cfg.alpha = args.alpha
         if min(K_list) < 0:
             raise RunError(f"--K_eval must be >= 0, got {K_list}")
         pairs = args.pairs or cfg["pairs"]            # a curriculum stage's checkpoint: its own number of pairs
@@ -139,6 +144,7 @@ def main(argv=None):
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval.json")
     with open(out + ".tmp", "w") as f:
         json.dump(dict(ckpt=args.ckpt, pairs=pairs, n_eval=len(task.eval[0]), K_train=cfg["gradmem"]["K"],
+                       alpha=gm.cfg.alpha if isinstance(gm, GradMem) else None,
                        results=results), f, indent=1)
     os.replace(out + ".tmp", out)
     print(f"wrote {out}")

@@ -557,6 +557,14 @@ def test_train_then_eval_smoke(tmp_path, capsys):
         assert parts / (7 * N + 1) == pytest.approx(r["write_loss_all"], rel=1e-5)
         assert r["write_loss_key"] != pytest.approx(r["write_loss_value"], rel=1e-3)
     assert json.load(open(os.path.join(out, "eval.json")))["results"][2]["K_eval"] == 3
+    same = eval_script.main([os.path.join(out, "best.pt"), "--K_eval", "1", "--alpha", str(0.5)])  # the trained alpha
+    other = eval_script.main([os.path.join(out, "best.pt"), "--K_eval", "1", "--alpha", "2.0"])
+    assert same[0]["write_loss_all"] == pytest.approx(res[1]["write_loss_all"])
+    assert other[0]["write_loss_all"] != pytest.approx(res[1]["write_loss_all"], rel=1e-5)
+    assert json.load(open(os.path.join(out, "eval.json")))["alpha"] == 2.0
+    with pytest.raises(SystemExit) as e:
+        eval_script.main([os.path.join(out, "best.pt"), "--alpha", "0"])
+    assert "--alpha" in e.value.code and "\n" not in e.value.code
     plot.main(["curves", os.path.join(out, "log.jsonl"), "-o", str(tmp_path / "c.png")])
     plot.main(["keval", os.path.join(out, "eval.json"), "-o", str(tmp_path / "k.png")])
     assert (tmp_path / "c.png").stat().st_size > 1000 and (tmp_path / "k.png").stat().st_size > 1000
@@ -783,6 +791,7 @@ def test_bad_input_fails_cleanly_and_keeps_checkpoints(tmp_path, monkeypatch):
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--min_lr=1"], "--min_lr")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--profile"], "--bench")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--n_eval=0"], "--n_eval")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--curriculum_em=1.5"], "--curriculum_em")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--pairs=300", "--pos=learned"], "learned positions")
     log_before = sha(os.path.join(good, "log.jsonl"))
     run_fails(SMALL + [f"--out_dir={good}", f"--init_from={good}/best.pt"], "--resume")    # init_from into a run
