@@ -53,14 +53,15 @@ def stage_changes(recs):
 
 def plot_curves(paths, out):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for path in paths:
+    colors = plt.cm.tab20.colors if len(paths) > 10 else plt.cm.tab10.colors     # one colour per run
+    for i, path in enumerate(paths):
         recs = read_jsonl(path)
         ev = [r for r in recs if r.get("kind") == "eval"]
         if not ev:
             raise ValueError(f"{path}: no eval records")
         lab = label_of(path, recs)
-        line, = ax1.plot([r["step"] for r in ev], [100 * r["em"] for r in ev], label=lab)
-        ax2.plot(wall_minutes(ev), [100 * r["em"] for r in ev], label=lab)
+        line, = ax1.plot([r["step"] for r in ev], [100 * r["em"] for r in ev], label=lab, color=colors[i % len(colors)])
+        ax2.plot(wall_minutes(ev), [100 * r["em"] for r in ev], label=lab, color=line.get_color())
         for r in stage_changes(recs):      # --curriculum_em: where the run moved on to more pairs
             ax1.axvline(r["step"], ls=":", lw=0.8, color=line.get_color())
             ax1.annotate(f" N={r['pairs']}", (r["step"], 0.02), xycoords=("data", "axes fraction"), fontsize=7,
