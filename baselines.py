@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradmem import read_loss
-from model import MLP, CausalSelfAttention, RMSNorm
+from model import MLP, CausalSelfAttention, RMSNorm, apply_rope, rope_frequencies
 
 
 def outputs(task_loss, logits, mem=None):
@@ -239,41 +239,56 @@ class Mamba2Block(nn.Module):
         return self.out_proj(self.norm(y * F.silu(z)))
 
 
-def ttt_linear_chunk(W, q, k, v, eta):
-    """One mini-batch of TTT-Linear in dual form. Inner loss l_s(W) = |W k_s - v_s|^2 / 2, every gradient of the
-    mini-batch taken at its first W (mini-batch TTT): W_t = W - sum_{s<=t} eta_s (W k_s - v_s) k_s^T, z_t = W_t q_t.
-    W: (..., hs, hs); q, k, v: (..., b, hs); eta: (..., b). Returns z (..., b, hs) and the next W."""
-    E = k @ W.transpose(-1, -2) - v                                                     # rows W k_s - v_s
-    b = q.size(-2)
-    causal = torch.ones(b, b, dtype=torch.bool, device=q.device).tril()
-    z = q @ W.transpose(-1, -2) - ((q @ k.transpose(-1, -2)) * eta[..., None, :]).masked_fill(~causal, 0.0) @ E
-    return z, W - (eta[..., None] * E).transpose(-1, -2) @ k
+def rope_at(config, pos, dtype):
+    """RoPE's (cos, sin) tables at positions pos (T,), with the GPT's frequencies (model.py: GPT.forward)."""
+    inv = rope_frequencies(config.n_embd // config.n_head, config.rope_theta, config.rope_llama3).to(pos.device)
+    ang = pos.double()[:, None] * inv[None, :]
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def ttt_linear_chunk(W, b, q, k, v, eta):
+    """One mini-batch of TTT-Linear in dual form. Fast weights f(x) = W x + b, inner loss l_s = |f(k_s) - v_s|^2 / 2,
+    every gradient of the mini-batch taken at its first (W, b) (mini-batch TTT), with E_s = W k_s + b - v_s:
+        W_t = W - sum_{s<=t} eta_s E_s k_s^T,   b_t = b - sum_{s<=t} eta_s E_s,   z_t = W_t q_t + b_t
+            = W q_t + b - sum_{s<=t} eta_s (k_s . q_t + 1) E_s.
+    W: (..., hs, hs); b: (..., hs); q, k, v: (..., n, hs); eta: (..., n). Returns z (..., n, hs), next W, next b."""
+    E = k @ W.transpose(-1, -2) + b[..., None, :] - v                                  # rows W k_s + b - v_s
+    n = q.size(-2)
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    z = q @ W.transpose(-1, -2) + b[..., None, :] - ((q @ k.transpose(-1, -2) + 1) * eta[..., None, :]).masked_fill(~causal, 0.0) @ E
+    return z, W - (eta[..., None] * E).transpose(-1, -2) @ k, b - (eta[..., None] * E).sum(-2)
 
 
 class TTTLinear(nn.Module):
-    """TTT-Linear (Sun et al., ICML 2025), simplest form: per head a linear fast weight W trained at test time on
-    the reconstruction l(W; x) = |W theta_K x - theta_V x|^2 / 2 with the learned per-token step
-    eta = eta_base / hs * sigmoid(theta_lr x), in mini-batches of `chunk` tokens; output theta_Q x read through W."""
+    """TTT-Linear (Sun et al., ICML 2025), simplest form: per head a linear fast weight f(x) = W x + b trained at test
+    time on the reconstruction l(W, b; x) = |f(theta_K x) - theta_V x|^2 / 2 with the learned per-token step
+    eta = eta_base / hs * sigmoid(theta_lr x), in mini-batches of `chunk` tokens; output f(theta_Q x) with the fast
+    weights so far. As in the authors' TTT layer, q and k carry RoPE of the position inside their mini-batch."""
 
-    def __init__(self, d, n_head, chunk=16, eta_base=1.0):
+    def __init__(self, config, chunk=16, eta_base=1.0):
         super().__init__()
-        self.nh, self.hs, self.chunk, self.eta_base = n_head, d // n_head, chunk, eta_base
+        d, self.config = config.n_embd, config
+        self.nh, self.hs, self.chunk, self.eta_base = config.n_head, d // config.n_head, chunk, eta_base
         self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.lr = nn.Linear(d, n_head)
-        self.W0 = nn.Parameter(0.02 * torch.randn(n_head, self.hs, self.hs))
+        self.lr = nn.Linear(d, self.nh)
+        self.W0 = nn.Parameter(0.02 * torch.randn(self.nh, self.hs, self.hs))
+        self.b0 = nn.Parameter(torch.zeros(self.nh, self.hs))
         self.ln = nn.LayerNorm(self.hs)
         self.o = nn.Linear(d, d, bias=False)
 
     def state_floats(self):
-        return self.W0.numel()
+        return self.W0.numel() + self.b0.numel()
 
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.nh, self.hs).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1))
+        rope = rope_at(self.config, torch.arange(T, device=x.device) % self.chunk, x.dtype)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         eta = self.eta_base / self.hs * torch.sigmoid(self.lr(x)).transpose(1, 2)          # (B, nh, T)
-        W, zs = self.W0.expand(B, -1, -1, -1), []
+        W, b, zs = self.W0.expand(B, -1, -1, -1), self.b0.expand(B, -1, -1), []
         for t0 in range(0, T, self.chunk):
-            z, W = ttt_linear_chunk(W, *(t[..., t0:t0 + self.chunk, :] for t in (q, k, v)), eta[..., t0:t0 + self.chunk])
+            sl = slice(t0, t0 + self.chunk)
+            z, W, b = ttt_linear_chunk(W, b, q[:, :, sl], k[:, :, sl], v[:, :, sl], eta[..., sl])
             zs.append(z)
         return self.o(self.ln(torch.cat(zs, dim=2)).transpose(1, 2).reshape(B, T, C))
 
@@ -294,12 +309,12 @@ def lact_grads(W1, W2, W3, k, v, eta):
 class LaCT(nn.Module):
     """LaCT, large-chunk test-time training (Zhang et al., ICLR 2026), simplest form: per head a SwiGLU fast weight
     f(x) = W2 (silu(W1 x) * W3 x) takes one gradient step on L = -sum_t eta_t <f(k_t), v_t> per chunk, applied to a
-    chunk's queries before that chunk's update (apply, then update); a sliding-window attention layer beside it handles
-    order inside chunks. Here a chunk is the whole context, so the context is written in one large update."""
+    chunk's queries before that chunk's update (apply, then update); a sliding-window attention layer with RoPE beside
+    it handles order inside chunks. Here a chunk is the whole context, so the context is written in one large update."""
 
     def __init__(self, config, chunk, window=16):
         super().__init__()
-        d, self.nh = config.n_embd, config.n_head
+        d, self.nh, self.config = config.n_embd, config.n_head, config
         self.hs, self.chunk, self.window = d // self.nh, chunk, window
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.lr = nn.Linear(d, self.nh)
@@ -312,7 +327,7 @@ class LaCT(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        local = self.swa(x, None, "sdpa", window=self.window)
+        local = self.swa(x, rope_at(self.config, torch.arange(T, device=x.device), x.dtype), "sdpa", window=self.window)
         q, k, v = (t.view(B, T, self.nh, self.hs).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1))
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         eta = F.softplus(self.lr(x)).transpose(1, 2)                                     # (B, nh, T)
@@ -361,7 +376,7 @@ def Mamba(config):
 
 
 def TTTLinearLM(config):
-    return SequenceLM(config, lambda: TTTLinear(config.n_embd, config.n_head), mlp=True)
+    return SequenceLM(config, lambda: TTTLinear(config), mlp=True)
 
 
 def LaCTLM(config, chunk):

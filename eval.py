@@ -104,7 +104,9 @@ def main(argv=None):
     p.add_argument("--K_eval", type=int, nargs="+", default=None, help="WRITE steps at test time (default: the trained K)")
     p.add_argument("--alpha", type=float, default=None, help="inner lr alpha of Eq. (5) at test time (default: the trained one)")
     p.add_argument("--pairs", type=int, default=None, help="KV pairs (default: the pairs the checkpoint was trained at)")
-    p.add_argument("--n_eval", type=int, default=None, help="held-out samples (default: the trained --n_eval)")
+    p.add_argument("--n_eval", type=int, default=None, help="held-out samples (default: the trained --n_eval; "
+                   "another value or --pairs draws a set training did not exclude: at 1 pair a few percent "
+                   "of it may repeat training contexts)")
     p.add_argument("--eval_file", default="", help="evaluate on this JSONL split")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", default="", help="JSON output (default: <ckpt dir>/eval.json)")

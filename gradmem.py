@@ -3,6 +3,7 @@ GradMem WRITE and READ: "GradMem: Learning to Write Context into Memory with Tes
 Kuratov et al., arXiv:2603.13875v2, §2.2 and Appendix K.
 
     L_write(M; C) = - sum_i log f(t_i | [M; t_<i])                  Eq. (4)  reconstruction of C from memory M
+                    (used here as the mean over C's tokens, as the authors' code does: alpha is per token)
     M_{k+1}       = M_k - alpha * grad_M L_write(M_k; C),  k < K     Eq. (5)  WRITE: K steps from the learned M_0
     L_task        = - sum_j log f(y_j | [M_K; Q; y_<j])              Eq. (8)  READ: the context is gone
 
@@ -43,6 +44,8 @@ class GradMemConfig:
             raise ValueError(f"--alpha (inner lr) must be finite and > 0, got {self.alpha}")
         if self.n_mem < 1:
             raise ValueError(f"--n_mem must be >= 1, got {self.n_mem}")
+        if not 0 <= self.aux_write < float("inf"):
+            raise ValueError(f"--aux_write must be finite and >= 0, got {self.aux_write}")
 
 
 class GradMem(nn.Module):
@@ -94,7 +97,7 @@ def write_loss(model, head, mem, ctx, attn="sdpa"):
 
 def write(gm, ctx, K, mem=None):
     """WRITE, Eq. (5): K steps of gradient descent on the memory, from M_0 (or from `mem`).
-    Returns M_K (B, m, C) and info: L_write(M_k) for k < K (summed over the batch), their per-token
+    Returns M_K ((B, m, C), or (B, n_layer, 2, m, C) with --memory kv) and info: L_write(M_k) for k < K (summed over the batch), their per-token
     NLLs (B, T), and the mean per-sample norm of the last grad_M."""
     cfg = gm.cfg
     head = gm.write_head if gm.write_head is not None else gm.model.lm_head

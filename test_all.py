@@ -415,16 +415,21 @@ def test_armt_overwrites_a_key():
 def test_ttt_linear_inner_step_is_gradient_descent_on_its_loss():
     torch.manual_seed(0)
     W = torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
     q, k, v = torch.randn(3, 2, 3, 6, 4, dtype=torch.float64)
     eta = torch.rand(2, 3, 6, dtype=torch.float64)
-    z, W_next = baselines.ttt_linear_chunk(W, q, k, v, eta)
-    inner = (eta[..., None] * (k @ W.transpose(-1, -2) - v) ** 2).sum() / 2      # sum_s eta_s |W k_s - v_s|^2 / 2
-    g, = torch.autograd.grad(inner, W)
-    assert torch.allclose(W_next, W - g, atol=1e-12)                              # one step, all at W (mini-batch)
-    for t in range(6):                                                            # z_t reads the partial update W_t
-        g_t, = torch.autograd.grad((eta[..., :t + 1, None] * (k[..., :t + 1, :] @ W.transpose(-1, -2)
-                                                              - v[..., :t + 1, :]) ** 2).sum() / 2, W)
-        assert torch.allclose(z[..., t, :], ((W - g_t) @ q[..., t, :, None]).squeeze(-1), atol=1e-12)
+    z, W_next, b_next = baselines.ttt_linear_chunk(W, b, q, k, v, eta)
+
+    def inner(t):                                         # sum_{s<=t} eta_s |W k_s + b - v_s|^2 / 2
+        f = k[..., :t, :] @ W.transpose(-1, -2) + b[..., None, :]
+        return (eta[..., :t, None] * (f - v[..., :t, :]) ** 2).sum() / 2
+
+    gW, gb = torch.autograd.grad(inner(6), (W, b))
+    assert torch.allclose(W_next, W - gW, atol=1e-12) and torch.allclose(b_next, b - gb, atol=1e-12)  # all at W, b
+    for t in range(6):                                    # z_t reads the partial update (W_t, b_t)
+        gW, gb = torch.autograd.grad(inner(t + 1), (W, b))
+        want = ((W - gW) @ q[..., t, :, None]).squeeze(-1) + b - gb
+        assert torch.allclose(z[..., t, :], want, atol=1e-12)
 
 
 def test_lact_fast_weight_gradients_match_autograd():
@@ -437,6 +442,18 @@ def test_lact_fast_weight_gradients_match_autograd():
     want = torch.autograd.grad(-(eta[..., None] * f * v).sum(), (W1, W2, W3))
     for g, w in zip(baselines.lact_grads(W1, W2, W3, k, v, eta), want):
         assert torch.allclose(g, w, atol=1e-12)
+
+
+@pytest.mark.parametrize("layer", ["ttt", "lact"])
+def test_ttt_and_lact_layers_see_token_order(layer):
+    """Without positions, both layers' last output is a function of the set of earlier tokens (sums over s < t);
+    RoPE (on q/k inside a mini-batch for TTT, in the sliding window for LaCT) makes k1 k2 differ from k2 k1."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(**TINY)
+    mix = (baselines.TTTLinear(cfg, chunk=8) if layer == "ttt" else baselines.LaCT(cfg, chunk=8)).double()
+    x = torch.randn(1, 6, cfg.n_embd, dtype=torch.float64)
+    swapped = x[:, [1, 0, 2, 3, 4, 5]]
+    assert not torch.allclose(mix(x)[:, -1], mix(swapped)[:, -1], atol=1e-6)
 
 
 def test_sliding_window_attention_sees_only_the_window():
@@ -684,6 +701,23 @@ def test_resume_is_exact(tmp_path):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     steps = [json.loads(l).get("step") for l in open(os.path.join(part, "log.jsonl"))]
     assert steps.count(3) == 1 and steps.count(4) == 2                       # one train and one eval record
+    heads = [json.loads(l) for l in open(os.path.join(part, "log.jsonl")) if '"header"' in l]
+    assert [h["resumed_at"] for h in heads] == [0, 2] and "--resume" in heads[1]["argv"]   # both segments recorded
+
+
+def test_resume_never_overwrites_a_better_best_checkpoint(tmp_path):
+    """A kill between writing best.pt and ckpt.pt leaves best.pt ahead of ckpt.pt's best_em: --resume keeps it."""
+    out = str(tmp_path / "run")
+    train.main(SMALL + ["--K=1", "--max_steps=2", f"--out_dir={out}"])
+    best = torch.load(os.path.join(out, "best.pt"), weights_only=True)
+    best["best_em"] = 1.0                                    # as if a later, perfect evaluation had been saved
+    torch.save(best, os.path.join(out, "best.pt"))
+    ck = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    ck["best_em"] = -1.0                                     # ... and the kill came before ckpt.pt recorded it
+    torch.save(ck, os.path.join(out, "ckpt.pt"))
+    before = sha(os.path.join(out, "best.pt"))
+    train.main(SMALL + ["--K=1", "--max_steps=6", f"--out_dir={out}", "--resume"])
+    assert sha(os.path.join(out, "best.pt")) == before
 
 
 def test_bench_and_profile(capsys):
@@ -825,3 +859,17 @@ def test_bad_input_fails_cleanly_and_keeps_checkpoints(tmp_path, monkeypatch):
     train.init_from(gm, ck, cfgs)
     assert torch.equal(gm.mem0, torch.load(ck, weights_only=True)["model"]["mem0"][:1])
     run_fails(SMALL + ["--n_mem=3", f"--out_dir={tmp_path}/m3", f"--init_from={ck}"], "n_mem=2, fewer")
+    kv = str(tmp_path / "kv")
+    train.main(SMALL + ["--memory=kv", "--K=1", "--max_steps=1", f"--out_dir={kv}"])
+    cfgs = train.parse_args(SMALL + ["--memory=kv", "--n_mem=1"])
+    gm = train.build(cfgs)
+    train.init_from(gm, f"{kv}/best.pt", cfgs)
+    assert torch.equal(gm.mem0, torch.load(f"{kv}/best.pt", weights_only=True)["model"]["mem0"][:, :, :1])
+    run_fails(SMALL + ["--memory=kv", "--n_mem=3", f"--out_dir={tmp_path}/kv3", f"--init_from={kv}/best.pt"],
+              "n_mem=2, fewer")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--aux_write=-1"], "--aux_write")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--grad_clip=0"], "--grad_clip")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--patience=-1"], "--patience")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--device=cpu", "--dtype=bfloat16"], "bfloat16")
+    run_fails(SMALL + [f"--out_dir={good}", "--write_split=5"], "ckpt.pt exists")      # never writes into a run
+    assert sha(ck) == before and sha(os.path.join(good, "log.jsonl")) == log_before

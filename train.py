@@ -84,6 +84,9 @@ class TrainConfig:
             raise ValueError(f"--n_eval must be >= 1, got {self.n_eval}")
         if not 0 <= self.curriculum_em <= 1:
             raise ValueError(f"--curriculum_em must be in [0, 1], got {self.curriculum_em}")
+        if not self.grad_clip > 0 or self.patience < 0 or self.weight_decay < 0:
+            raise ValueError(f"--grad_clip must be > 0, --patience and --weight_decay >= 0, got {self.grad_clip}, "
+                             f"{self.patience}, {self.weight_decay}")
         if not self.lr > 0 or self.max_steps < 0 or self.eval_interval < 1 or self.log_interval < 1:
             raise ValueError("--lr must be > 0, --max_steps >= 0, --eval_interval and --log_interval >= 1")
 
@@ -185,10 +188,10 @@ def init_from(gm, path, cfgs):
         raise RunError(f"checkpoint {path} is a {saved} model, this run trains {cfgs['train'].model}")
     check_match(path, ckpt["config"], cfgs, ["gradmem"], skip=RESUMABLE | {"K", "alpha", "meta_grad", "aux_write", "n_mem"})
     state = ckpt["model"]
-    if "mem0" in state and state["mem0"].dim() == 2:
-        if state["mem0"].size(0) < gm.mem0.size(0):
-            raise RunError(f"checkpoint {path} has n_mem={state['mem0'].size(0)}, fewer than this run's {gm.mem0.size(0)}")
-        state["mem0"] = state["mem0"][: gm.mem0.size(0)]
+    if "mem0" in state:                           # (m, C), or (n_layer, 2, m, C) for --memory kv: m is dim -2
+        if state["mem0"].size(-2) < gm.mem0.size(-2):
+            raise RunError(f"checkpoint {path} has n_mem={state['mem0'].size(-2)}, fewer than this run's {gm.mem0.size(-2)}")
+        state["mem0"] = state["mem0"].narrow(-2, 0, gm.mem0.size(-2)).clone()
     gm.load_state_dict(state)
 
 
@@ -358,6 +361,8 @@ def run(cfgs, argv):
     device = ("cuda" if torch.cuda.is_available() else "cpu") if tcfg.device == "auto" else tcfg.device
     if device == "cuda" and not torch.cuda.is_available():
         raise RunError("--device cuda but no CUDA device is available")
+    if device == "cpu" and tcfg.dtype == "bfloat16":
+        raise RunError("--dtype bfloat16 is CUDA autocast; this run is on CPU, where it trains in float32: drop the flag")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not tcfg.cuda_graph)  # no cast cache in a graph
                 if device == "cuda" and tcfg.dtype == "bfloat16" else nullcontext())
     torch.manual_seed(tcfg.seed)
@@ -367,6 +372,9 @@ def run(cfgs, argv):
         raise RunError(str(e)) from None
     os.makedirs(tcfg.out_dir, exist_ok=True)
     if tcfg.write_split:
+        for name in ("train.jsonl", "eval.jsonl", "ckpt.pt"):
+            if os.path.exists(os.path.join(tcfg.out_dir, name)):
+                raise RunError(f"--write_split: {os.path.join(tcfg.out_dir, name)} exists; choose another --out_dir")
         save_jsonl(os.path.join(tcfg.out_dir, "train.jsonl"), sample_kv_split(task, tcfg.write_split))
         save_jsonl(os.path.join(tcfg.out_dir, "eval.jsonl"), task.eval)
         print(f"wrote {tcfg.write_split} train and {len(task.eval[0])} eval samples to {tcfg.out_dir}")
@@ -392,6 +400,11 @@ def run(cfgs, argv):
         opt.load_state_dict(ckpt["optimizer"])
         step, best_em = ckpt["step"], ckpt["best_em"]
         torch.set_rng_state(ckpt["rng"])
+        best_path = os.path.join(tcfg.out_dir, "best.pt")  # saved just before ckpt.pt: a kill between the two leaves
+        if os.path.exists(best_path):                      # it ahead; never overwrite it with a worse model
+            best = load_checkpoint(best_path)
+            if best.get("pairs") == ckpt.get("pairs"):
+                best_em = max(best_em, best["best_em"])
     elif tcfg.init_from:
         init_from(gm, tcfg.init_from, cfgs)
     if tcfg.bench:
@@ -484,11 +497,12 @@ def run(cfgs, argv):
 
 
 def keep_log(path, step):
-    """On resume, drop log records past the checkpoint's step (they will be produced again)."""
+    """On resume, drop log records past the checkpoint's step (they will be produced again). Headers of the
+    earlier segments stay: they record how the run began (its argv, --init_from, commit)."""
     if not os.path.exists(path):
         return
     with open(path) as f:
-        recs = [line for line in f if json.loads(line).get("step", 0) <= step and json.loads(line)["kind"] != "header"]
+        recs = [line for line in f if json.loads(line).get("step", json.loads(line).get("resumed_at", 0)) <= step]
     with open(path + ".tmp", "w") as f:
         f.writelines(recs)
     os.replace(path + ".tmp", path)
