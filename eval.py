@@ -137,11 +137,11 @@ def main(argv=None):
     print(f"{args.ckpt}: {pairs} pairs, {len(task.eval[0])} held-out samples, trained with K={cfg['gradmem']['K']}")
     print(f"{'K_eval':>6} {'EM':>7} {'tok acc':>8} {'L_write':>8} {'key':>7} {'value':>7} {'sep':>7}")
     for r in results:
-        wl = " ".join(f"{r.get(f'write_loss_{n}', float('nan')):>{w}.4f}" for n, w in (("all", 8), ("key", 7),
-                                                                                      ("value", 7), ("sep", 7)))
+        wl = " ".join(f"{r[f'write_loss_{n}']:>{w}.4f}" if f"write_loss_{n}" in r else f"{'-':>{w}}"   # baselines:
+                      for n, w in (("all", 8), ("key", 7), ("value", 7), ("sep", 7)))                      # no WRITE loss
         print(f"{r['K_eval']:>6} {r['em']:>7.4f} {r['acc']:>8.4f} {wl}")
     for r in results:
-        print(f"K_eval={r['K_eval']}: EM by queried pair, 1st..{pairs}th written: "
+        print(f"K_eval={r['K_eval']}: EM by queried pair, in the order written (1 .. {pairs}): "
               + " ".join(f"{x:.2f}" for x in r["em_by_pair"]))
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval.json")
     with open(out + ".tmp", "w") as f:
