@@ -52,19 +52,26 @@ def evaluate_baseline(gm, task, K_list, device, batch_size=250):
 
 
 class ByPair:
-    """Exact match split by the position of the queried pair in the context (1st ... N-th written)."""
+    """Exact match split by the position of the queried pair in the context (1st ... N-th written), and how often
+    the answer's first value character is another pair's instead (a value retrieved without matching the key)."""
 
     def __init__(self, n_pairs, device):
         self.hits, self.count = torch.zeros(n_pairs, device=device), torch.zeros(n_pairs, device=device)
+        self.wrong = 0.0
 
     def add(self, logits, b):
         hit = token_hits(logits, b["y"], b["y_mask"]).all(1).float()
         i = queried_pair(b["ctx"], b["q"])
         self.hits.index_add_(0, i, hit)
         self.count.index_add_(0, i, torch.ones_like(hit))
+        first = logits[:, 0].argmax(-1)                                        # y = v v ! |: the first value char
+        firsts = b["ctx"][:, :-1].reshape(len(first), -1, 7)[:, :, 4]          # every pair's first value char
+        other = torch.arange(firsts.size(1), device=first.device)[None] != i[:, None]
+        self.wrong += ((firsts == first[:, None]) & other).any(1).logical_and(first != b["y"][:, 0]).sum().item()
 
     def result(self):
-        return dict(em_by_pair=(self.hits / self.count.clamp(min=1)).tolist(), n_by_pair=self.count.long().tolist())
+        return dict(em_by_pair=(self.hits / self.count.clamp(min=1)).tolist(), n_by_pair=self.count.long().tolist(),
+                    other_pair=self.wrong / self.count.sum().item())
 
 
 @torch.no_grad()
@@ -142,7 +149,8 @@ def main(argv=None):
         print(f"{r['K_eval']:>6} {r['em']:>7.4f} {r['acc']:>8.4f} {wl}")
     for r in results:
         print(f"K_eval={r['K_eval']}: EM by queried pair, in the order written (1 .. {pairs}): "
-              + " ".join(f"{x:.2f}" for x in r["em_by_pair"]))
+              + " ".join(f"{x:.2f}" for x in r["em_by_pair"])
+              + f"; first value character from another pair: {r['other_pair']:.3f}")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval.json")
     with open(out + ".tmp", "w") as f:
         json.dump(dict(ckpt=args.ckpt, pairs=pairs, n_eval=len(task.eval[0]), K_train=cfg["gradmem"]["K"],

@@ -598,6 +598,20 @@ def test_baseline_train_then_eval_smoke(model, tmp_path):
     assert res[0]["em"] == pytest.approx(last["em"]) and res[0]["acc"] == pytest.approx(last["acc"])
 
 
+def test_by_pair_counts_answers_taken_from_another_pair():
+    b = data.KVTask(3, 0, 1, 8).train_batch(0, 6)
+    logits = F.one_hot(b["y"], len(data.VOCAB)).float()                    # every answer right ...
+    i = data.queried_pair(b["ctx"], b["q"])
+    firsts = b["ctx"][:, :-1].reshape(6, 3, 7)[:, :, 4]
+    for s in (2, 3):                                                        # ... but two start with another pair's
+        logits[s, 0] = F.one_hot(firsts[s, (i[s] + 1) % 3], len(data.VOCAB)).float()   # first value character
+    logits[4, 0] = F.one_hot(torch.tensor(0), len(data.VOCAB)).float()     # and one is wrong some other way
+    acc = eval_script.ByPair(3, "cpu")
+    acc.add(logits, b)
+    r = acc.result()
+    assert r["other_pair"] == pytest.approx(2 / 6) and sum(e * c for e, c in zip(r["em_by_pair"], r["n_by_pair"])) == pytest.approx(3)
+
+
 def test_queried_pair_matches_the_text():
     ctx, q, _ = data.sample_kv(np.random.default_rng(3), 50, 6)
     got = data.queried_pair(torch.as_tensor(ctx), torch.as_tensor(q))
