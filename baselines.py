@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradmem import read_loss
-from model import MLP, CausalSelfAttention, RMSNorm, apply_rope, rope_frequencies
+from model import MLP, CausalSelfAttention, RMSNorm, apply_rope, rope_frequencies, rope_tables
 
 
 def outputs(task_loss, logits, mem=None):
@@ -239,11 +239,9 @@ class Mamba2Block(nn.Module):
         return self.out_proj(self.norm(y * F.silu(z)))
 
 
-def rope_at(config, pos, dtype):
-    """RoPE's (cos, sin) tables at positions pos (T,), with the GPT's frequencies (model.py: GPT.forward)."""
-    inv = rope_frequencies(config.n_embd // config.n_head, config.rope_theta, config.rope_llama3).to(pos.device)
-    ang = pos.double()[:, None] * inv[None, :]
-    return ang.cos().to(dtype), ang.sin().to(dtype)
+def rope_inv_freq(config):
+    """The GPT's RoPE frequencies (model.py: GPT), for the baselines' own attention-like layers."""
+    return rope_frequencies(config.n_embd // config.n_head, config.rope_theta, config.rope_llama3).float()
 
 
 def ttt_linear_chunk(W, b, q, k, v, eta):
@@ -267,7 +265,7 @@ class TTTLinear(nn.Module):
 
     def __init__(self, config, chunk=16, eta_base=1.0):
         super().__init__()
-        d, self.config = config.n_embd, config
+        d = config.n_embd
         self.nh, self.hs, self.chunk, self.eta_base = config.n_head, d // config.n_head, chunk, eta_base
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.lr = nn.Linear(d, self.nh)
@@ -275,6 +273,7 @@ class TTTLinear(nn.Module):
         self.b0 = nn.Parameter(torch.zeros(self.nh, self.hs))
         self.ln = nn.LayerNorm(self.hs)
         self.o = nn.Linear(d, d, bias=False)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
 
     def state_floats(self):
         return self.W0.numel() + self.b0.numel()
@@ -282,7 +281,7 @@ class TTTLinear(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.nh, self.hs).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1))
-        rope = rope_at(self.config, torch.arange(T, device=x.device) % self.chunk, x.dtype)
+        rope = rope_tables(self.rope_inv_freq, torch.arange(T, device=x.device) % self.chunk, x.dtype)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         eta = self.eta_base / self.hs * torch.sigmoid(self.lr(x)).transpose(1, 2)          # (B, nh, T)
         W, b, zs = self.W0.expand(B, -1, -1, -1), self.b0.expand(B, -1, -1), []
@@ -314,20 +313,22 @@ class LaCT(nn.Module):
 
     def __init__(self, config, chunk, window=16):
         super().__init__()
-        d, self.nh, self.config = config.n_embd, config.n_head, config
+        d, self.nh = config.n_embd, config.n_head
         self.hs, self.chunk, self.window = d // self.nh, chunk, window
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.lr = nn.Linear(d, self.nh)
         self.W = nn.ParameterList([nn.Parameter(torch.randn(self.nh, self.hs, self.hs) / self.hs ** 0.5) for _ in range(3)])
         self.o = nn.Linear(d, d, bias=False)
         self.swa = CausalSelfAttention(config)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
 
     def state_floats(self):
         return sum(w.numel() for w in self.W)
 
     def forward(self, x):
         B, T, C = x.shape
-        local = self.swa(x, rope_at(self.config, torch.arange(T, device=x.device), x.dtype), "sdpa", window=self.window)
+        local = self.swa(x, rope_tables(self.rope_inv_freq, torch.arange(T, device=x.device), x.dtype), "sdpa",
+                         window=self.window)
         q, k, v = (t.view(B, T, self.nh, self.hs).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1))
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         eta = F.softplus(self.lr(x)).transpose(1, 2)                                     # (B, nh, T)

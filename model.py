@@ -57,6 +57,12 @@ def rope_frequencies(hs, theta, llama3):
     return inv
 
 
+def rope_tables(inv_freq, pos, dtype):
+    """RoPE's (cos, sin) tables, (T, hs/2) each, for positions pos (T,): angle pos * freq_i."""
+    ang = pos.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
 def apply_rope(x, cos, sin):
     """Rotate pairs (x_i, x_{i+hs/2}) by angle pos*freq_i (GPT-NeoX/HF-Llama halves layout).
     x: (B, nh, T, hs); cos, sin: (T, hs/2)."""
@@ -205,8 +211,7 @@ class GPT(nn.Module):
             assert T <= self.config.block_size, f"sequence of {T} tokens exceeds block_size {self.config.block_size}"
             x = x + self.transformer.wpe(torch.arange(T, device=x.device))
         else:
-            ang = torch.arange(T, device=x.device, dtype=self.rope_inv_freq.dtype)[:, None] * self.rope_inv_freq[None, :]
-            rope = (ang.cos().to(x.dtype), ang.sin().to(x.dtype))  # (T, hs/2) each
+            rope = rope_tables(self.rope_inv_freq, torch.arange(T, device=x.device), x.dtype)
         for i, block in enumerate(self.transformer.h):
             if wrap is not None:
                 x = wrap(i, block, x, rope, attn)
