@@ -3,10 +3,12 @@ Figures for GradMem (arXiv:2603.13875v2) from this project's own logs: reads onl
 
     python plot.py curves results/kv4/log.jsonl results/kv8/log.jsonl -o results/curves.png   # held-out EM vs step
     python plot.py keval results/kv8/eval.json -o results/fig4.png                           # Figure 4a/4b
+    python plot.py memsize results/appF/*/log.jsonl -o results/appF/appF.png                  # App. F: EM vs m, K
 
 `curves` plots held-out exact match against training step (and wall time) for each run, with a dotted line where a
 run's curriculum moved on to more pairs;
-`keval` plots EM against K_eval (Fig. 4a) and the WRITE loss on key and value tokens (Fig. 4b, App. E).
+`keval` plots EM against K_eval (Fig. 4a) and the WRITE loss on key and value tokens (Fig. 4b, App. E);
+`memsize` plots each run's best held-out EM against its number of memory vectors m, one line per (pairs, K) (App. F).
 """
 import argparse
 import json
@@ -96,14 +98,42 @@ def plot_keval(paths, out):
     fig.savefig(out, dpi=120)
 
 
+def memsize_points(paths):
+    """App. F: {(pairs, K): [(n_mem, best EM at the run's final number of pairs), ...] sorted by n_mem}."""
+    points = {}
+    for path in paths:
+        recs = read_jsonl(path)
+        head = next((r for r in recs if r.get("kind") == "header"), None)
+        if head is None:
+            raise ValueError(f"{path}: no header record")
+        t, g = head["config"]["train"], head["config"]["gradmem"]
+        ev = [r for r in recs if r.get("kind") == "eval" and r.get("pairs", t["pairs"]) == t["pairs"]]
+        if not ev:
+            raise ValueError(f"{path}: no eval records at {t['pairs']} pairs")
+        points.setdefault((t["pairs"], g["K"]), []).append((g["n_mem"], max(r["em"] for r in ev)))
+    return {key: sorted(v) for key, v in sorted(points.items())}
+
+
+def plot_memsize(paths, out):
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for (pairs, K), pts in memsize_points(paths).items():
+        ax.plot([m for m, _ in pts], [100 * em for _, em in pts], "o-" if K == 1 else "s--", label=f"N={pairs}, K={K}")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="memory vectors m", ylabel="best held-out exact match (%)", title="App. F: memory size vs WRITE steps")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("figure", choices=["curves", "keval"])
-    p.add_argument("inputs", nargs="+", help="log.jsonl files (curves) or eval.json files (keval)")
+    p.add_argument("figure", choices=["curves", "keval", "memsize"])
+    p.add_argument("inputs", nargs="+", help="log.jsonl files (curves, memsize) or eval.json files (keval)")
     p.add_argument("-o", "--out", required=True, help="output image (.png, .pdf)")
     args = p.parse_args(argv)
     try:
-        (plot_curves if args.figure == "curves" else plot_keval)(args.inputs, args.out)
+        dict(curves=plot_curves, keval=plot_keval, memsize=plot_memsize)[args.figure](args.inputs, args.out)
     except (OSError, ValueError, KeyError) as e:
         sys.exit(f"plot.py: error: {e.__class__.__name__}: {e}")
     print(f"wrote {args.out}")

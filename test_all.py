@@ -589,6 +589,25 @@ def test_train_then_eval_smoke(tmp_path, capsys):
     assert plot.wall_minutes([dict(time=60.0), dict(time=120.0), dict(time=30.0)]) == [1.0, 2.0, 2.5]
 
 
+def test_plot_memsize_takes_each_runs_best_at_its_final_pairs(tmp_path):
+    """App. F figure: one point per run, its best EM at the run's own --pairs (a curriculum's easier stages ignored)."""
+    def log(name, n_mem, K, pairs, evals):
+        d = tmp_path / name
+        d.mkdir()
+        head = dict(kind="header", config=dict(train=dict(pairs=pairs, model="gradmem"), gradmem=dict(n_mem=n_mem, K=K)))
+        recs = [head] + [dict(kind="eval", step=100 * (i + 1), pairs=p, em=em, time=1.0) for i, (p, em) in enumerate(evals)]
+        (d / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return str(d / "log.jsonl")
+    paths = [log("a", 4, 1, 8, [(4, 0.99), (8, 0.5), (8, 0.7), (8, 0.6)]),      # 0.99 was at 4 pairs: not this cell
+             log("b", 1, 1, 8, [(8, 0.2)]), log("c", 2, 2, 8, [(8, 0.8), (8, 0.9)]), log("d", 1, 2, 8, [(8, 0.4)])]
+    assert plot.memsize_points(paths) == {(8, 1): [(1, 0.2), (4, 0.7)], (8, 2): [(1, 0.4), (2, 0.9)]}
+    plot.main(["memsize", *paths, "-o", str(tmp_path / "f.png")])
+    assert (tmp_path / "f.png").stat().st_size > 1000
+    with pytest.raises(SystemExit) as e:
+        plot.main(["memsize", log("e", 1, 1, 8, [(4, 0.3)]), "-o", str(tmp_path / "g.png")])
+    assert "no eval records at 8 pairs" in e.value.code
+
+
 @pytest.mark.parametrize("model", ["rmt", "armt", "transformer", "mamba", "ttt_linear", "lact", "gradmem --memory=kv"])
 def test_baseline_train_then_eval_smoke(model, tmp_path):
     out = str(tmp_path / model.split()[0])
