@@ -33,7 +33,7 @@ def label_of(path, recs):
     t, g = head["config"]["train"], head["config"]["gradmem"]
     name, model = os.path.basename(os.path.dirname(path)), t.get("model", "gradmem")
     if model == "gradmem":
-        return f"{name}: N={t['pairs']} K={g['K']} {g['meta_grad']}"
+        return f"{name}: N={t['pairs']} K={g['K']} m={g['n_mem']} {g['meta_grad']}"
     return f"{name}: {model} N={t['pairs']}" + (f" K={g['K']}" if model == "rmt" else "")
 
 
