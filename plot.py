@@ -3,7 +3,7 @@ Figures for GradMem (arXiv:2603.13875v2) from this project's own logs: reads onl
 
     python plot.py curves results/kv4/log.jsonl results/kv8/log.jsonl -o results/curves.png   # held-out EM vs step
     python plot.py keval results/kv8/eval.json -o results/fig4.png                           # Figure 4a/4b
-    python plot.py memsize results/appF/*/log.jsonl -o results/appF/appF.png                  # App. F: EM vs m, K
+    python plot.py memsize out/appF_*/log.jsonl -o appF.png        # App. F: EM vs m, K (runs that reached their --pairs)
 
 `curves` plots held-out exact match against training step (and wall time) for each run, with a dotted line where a
 run's curriculum moved on to more pairs;
@@ -26,8 +26,13 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def header(recs):
+    """The first header record (argv, config, commit) of a log, or None."""
+    return next((r for r in recs if r.get("kind") == "header"), None)
+
+
 def label_of(path, recs):
-    head = next((r for r in recs if r.get("kind") == "header"), None)
+    head = header(recs)
     if head is None:
         return os.path.basename(os.path.dirname(path)) or path
     t, g = head["config"]["train"], head["config"]["gradmem"]
@@ -103,7 +108,7 @@ def memsize_points(paths):
     points = {}
     for path in paths:
         recs = read_jsonl(path)
-        head = next((r for r in recs if r.get("kind") == "header"), None)
+        head = header(recs)
         if head is None:
             raise ValueError(f"{path}: no header record")
         t, g = head["config"]["train"], head["config"]["gradmem"]
