@@ -24,7 +24,8 @@ Per (batch, head), with Q, K, V, O of shape (T, hs), s = 1/sqrt(hs) and a causal
                     dPhi/ddO = P gV + G V
 Masked entries have P = 0, so every term that carries a factor P vanishes there. O and L enter the first
 backward only as cached functions of (Q, K, V): their dependence is inside the formulas above, so they get no
-gradient of their own.
+gradient of their own. Under bf16 autocast (`--dtype bfloat16`) the kernels take fp32 copies of Q, K, V and run
+with autocast off (softmax and the in-place block accumulations in one dtype); the output is cast back.
 
 `python attention_hvp.py` benchmarks forward + backward(create_graph) + second backward against the
 explicit-math attention at T = 128 ... 2048 (B = 8, nh = 4, hs = 32), time and peak memory side by side.
@@ -58,6 +59,11 @@ def _probs(q, k, lse, i0, i1, bias, scale):
     return s.sub_(lse[:, i0:i1]).exp_()
 
 
+def _no_autocast(x):
+    """Autocast off inside the hand-written kernels: their in-place accumulations need one dtype throughout."""
+    return torch.autocast(x.device.type, enabled=False)
+
+
 class _AttentionBackward(torch.autograd.Function):
     """(Q, K, V, O, L, dO) -> (dQ, dK, dV), with its own hand-written backward (the second-order terms).
     All tensors are (B*nh, T, hs); L is (B*nh, T, 1)."""
@@ -79,6 +85,11 @@ class _AttentionBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
+        with _no_autocast(gq if gq is not None else ctx.saved_tensors[0]):
+            return _AttentionBackward._backward(ctx, gq, gk, gv)
+
+    @staticmethod
+    def _backward(ctx, gq, gk, gv):
         q, k, v, o, lse, do = ctx.saved_tensors
         gq, gk, gv = (torch.zeros_like(q) if g is None else g for g in (gq, gk, gv))
         scale = 1.0 / math.sqrt(q.size(-1))
@@ -124,7 +135,8 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         # a Function call, so that with create_graph=True the first backward is itself differentiable
-        dq, dk, dv = _AttentionBackward.apply(q, k, v, o.detach(), lse.detach(), do.contiguous(), ctx.key_mask, ctx.nh)
+        with _no_autocast(do):
+            dq, dk, dv = _AttentionBackward.apply(q, k, v, o.detach(), lse.detach(), do.contiguous(), ctx.key_mask, ctx.nh)
         return dq, dk, dv, None, None
 
 
@@ -132,8 +144,11 @@ def attention(q, k, v, key_mask=None):
     """Causal softmax attention, twice differentiable without a T x T autograd graph.
     q, k, v: (B, nh, T, hs). key_mask: optional (B, T) bool, True for keys that may be attended to."""
     B, nh, T, hs = q.shape
-    flat = lambda x: x.reshape(B * nh, T, hs)
-    return _Attention.apply(flat(q), flat(k), flat(v), key_mask, nh).view(B, nh, T, hs)
+    dt = torch.promote_types(q.dtype, torch.float32)       # bf16 autocast: the kernels run in fp32, output cast back
+    flat = lambda x: x.reshape(B * nh, T, hs).to(dt)
+    with _no_autocast(q):
+        o = _Attention.apply(flat(q), flat(k), flat(v), key_mask, nh)
+    return o.to(q.dtype).view(B, nh, T, hs)
 
 
 def attention_reference(q, k, v, key_mask=None):

@@ -159,6 +159,26 @@ def test_attention_hvp_matches_explicit_attention_twice_differentiated(T, pad, m
         assert torch.allclose(a, b, atol=1e-10)
 
 
+def test_attention_hvp_under_bf16_autocast_runs_in_fp32():
+    """--dtype bfloat16: autocast hands bf16 q, k, v to the kernels, whose in-place accumulations need one dtype
+    (this crashed on the first GPU run). They run in fp32 with autocast off, so output and both backward passes
+    equal the fp32 explicit attention on the same (bf16-valued) inputs, then cast back to bf16."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 9, 4).bfloat16().requires_grad_() for _ in range(3))
+    w, u = torch.randn(2, 2, 2, 9, 4)
+    results = []
+    for fn, dt, ac in ((attention_hvp.attention, torch.bfloat16, True), (attention_hvp.attention_reference, torch.float32, False)):
+        x = [t if dt == torch.bfloat16 else t.detach().float().requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
+            o = fn(*x)
+            dq, dk, dv = torch.autograd.grad((o.float() * w).sum(), x, create_graph=True)
+        assert o.dtype == dt
+        second = torch.autograd.grad((dq.float() * u).sum() + (dk.float() ** 2).sum(), x)
+        results.append([o, dq, dk, dv, *second])
+    for a, b in zip(*results):
+        assert torch.allclose(a.float(), b.to(a.dtype).float(), atol=2e-2, rtol=2e-2)
+
+
 def test_gradmem_meta_gradient_same_with_hvp_and_explicit_attention():
     b = tiny_batch(n_pairs=3)
     grads = []
