@@ -64,6 +64,15 @@ def queried_pair(ctx, q):
     return hit.int().argmax(1)
 
 
+def key_overlap(ctx, q):
+    """(B,) bool: another pair's key shares a character with the queried key (either character, either place),
+    the samples where a write must tell similar keys apart."""
+    keys = ctx[:, :-1].reshape(ctx.shape[0], -1, 7)[:, :, 1:3]             # (B, N, 2)
+    asked = (keys[:, :, 0] == q[:, 2:3]) & (keys[:, :, 1] == q[:, 3:4])   # the queried pair itself
+    share = (keys[:, :, :, None] == q[:, None, None, 2:4]).flatten(2).any(2)
+    return (share & ~asked).any(1)
+
+
 def context_kinds(n_pairs):
     """(7N+1,) array marking each context position SEP, KEY or VALUE."""
     one = [SEP, KEY, KEY, SEP, VALUE, VALUE, SEP]

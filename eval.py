@@ -16,7 +16,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from data import KEY, SEP, VALUE, KVTask, context_kinds, queried_pair
+from data import KEY, SEP, VALUE, KVTask, context_kinds, key_overlap, queried_pair
 from gradmem import GradMem, GradMemConfig, read_loss, score, token_hits, write, write_loss
 from model import GPTConfig
 from train import RunError, TrainConfig, build, load_checkpoint, set_pairs
@@ -52,11 +52,13 @@ def evaluate_baseline(gm, task, K_list, device, batch_size=250):
 
 
 class ByPair:
-    """Exact match split by the position of the queried pair in the context (1st ... N-th written), and how often
-    the answer's first value character is another pair's instead (a value retrieved without matching the key)."""
+    """Exact match split by the position of the queried pair in the context (1st ... N-th written) and by whether
+    another key shares a character with the queried one; and how often the answer's first value character is
+    another pair's instead (a value retrieved without matching the key)."""
 
     def __init__(self, n_pairs, device):
         self.hits, self.count = torch.zeros(n_pairs, device=device), torch.zeros(n_pairs, device=device)
+        self.ov_hits, self.ov_count = torch.zeros(2, device=device), torch.zeros(2, device=device)
         self.wrong = 0.0
 
     def add(self, logits, b):
@@ -64,6 +66,9 @@ class ByPair:
         i = queried_pair(b["ctx"], b["q"])
         self.hits.index_add_(0, i, hit)
         self.count.index_add_(0, i, torch.ones_like(hit))
+        ov = key_overlap(b["ctx"], b["q"]).long()                              # 0: keys all distinct in chars
+        self.ov_hits.index_add_(0, ov, hit)
+        self.ov_count.index_add_(0, ov, torch.ones_like(hit))
         first = logits[:, 0].argmax(-1)                                        # y = v v ! |: the first value char
         firsts = b["ctx"][:, :-1].reshape(len(first), -1, 7)[:, :, 4]          # every pair's first value char
         other = torch.arange(firsts.size(1), device=first.device)[None] != i[:, None]
@@ -71,6 +76,8 @@ class ByPair:
 
     def result(self):
         return dict(em_by_pair=(self.hits / self.count.clamp(min=1)).tolist(), n_by_pair=self.count.long().tolist(),
+                    em_by_key_overlap=(self.ov_hits / self.ov_count.clamp(min=1)).tolist(),
+                    n_by_key_overlap=self.ov_count.long().tolist(),
                     other_pair=self.wrong / self.count.sum().item())
 
 
@@ -108,7 +115,7 @@ def evaluate_ks(gm, task, K_list, device, batch_size=250):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ckpt", help="checkpoint written by train.py (best.pt or ckpt.pt)")
-    p.add_argument("--K_eval", type=int, nargs="+", default=None, help="WRITE steps at test time (default: the trained K)")
+    p.add_argument("--K_eval", type=int, nargs="+", default=None, help="WRITE steps at test time (default: the trained --K_eval, else K: the K best.pt was picked at)")
     p.add_argument("--alpha", type=float, default=None, help="inner lr alpha of Eq. (5) at test time (default: the trained one)")
     p.add_argument("--pairs", type=int, default=None, help="KV pairs (default: the pairs the checkpoint was trained at)")
     p.add_argument("--n_eval", type=int, default=None, help="held-out samples (default: the trained --n_eval; "
@@ -122,13 +129,15 @@ def main(argv=None):
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         gm, cfg = load_model(args.ckpt, device)
         tc = cfg["train"]
-        K_list = args.K_eval or [cfg["gradmem"]["K"]]
+        K_list = args.K_eval or [cfg["gradmem"]["K"] if cfg["gradmem"]["K_eval"] < 0 else cfg["gradmem"]["K_eval"]]
         if args.alpha is not None:
             if not isinstance(gm, GradMem) or not 0 < args.alpha < float("inf"):
                 raise RunError(f"--alpha needs a GradMem checkpoint and a finite alpha > 0, got {args.alpha}")
             gm.cfg.alpha = args.alpha
         if min(K_list) < 0:
             raise RunError(f"--K_eval must be >= 0, got {K_list}")
+        if (args.pairs is not None and args.pairs < 1) or (args.n_eval is not None and args.n_eval < 1):
+            raise RunError(f"--pairs and --n_eval must be >= 1, got {args.pairs}, {args.n_eval}")
         pairs = args.pairs or cfg["pairs"]            # a curriculum stage's checkpoint: its own number of pairs
         if not args.pairs and cfg["pairs"] != tc["pairs"]:
             print(f"note: {args.ckpt} is from the curriculum's {cfg['pairs']}-pair stage of a --pairs {tc['pairs']} "
@@ -151,6 +160,9 @@ def main(argv=None):
         print(f"K_eval={r['K_eval']}: EM by queried pair, in the order written (1 .. {pairs}): "
               + " ".join(f"{x:.2f}" for x in r["em_by_pair"])
               + f"; first value character from another pair: {r['other_pair']:.3f}")
+        (e0, e1), (n0, n1) = r["em_by_key_overlap"], r["n_by_key_overlap"]
+        print(f"K_eval={r['K_eval']}: EM {e0:.4f} where no other key shares a character with the queried one "
+              f"({n0} samples), {e1:.4f} where one does ({n1})")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval.json")
     with open(out + ".tmp", "w") as f:
         json.dump(dict(ckpt=args.ckpt, pairs=pairs, n_eval=len(task.eval[0]), K_train=cfg["gradmem"]["K"],

@@ -14,7 +14,7 @@ frozen inside WRITE: only M moves. In training, theta and M_0 are learned throug
     meta_grad="first"   grad_M L_write is a constant, so dL/dM_0 = dL/dM_K and theta gets nothing through WRITE;
     meta_grad="none"    M is detached around every step: nothing learns through WRITE, M_0 stays at init.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -46,6 +46,9 @@ class GradMemConfig:
             raise ValueError(f"--n_mem must be >= 1, got {self.n_mem}")
         if not 0 <= self.aux_write < float("inf"):
             raise ValueError(f"--aux_write must be finite and >= 0, got {self.aux_write}")
+        for f in fields(self):                      # choices: argparse checks the flags, this the Python API
+            if "choices" in f.metadata and getattr(self, f.name) not in f.metadata["choices"]:
+                raise ValueError(f"{f.name} must be one of {f.metadata['choices']}, got {getattr(self, f.name)!r}")
 
 
 class GradMem(nn.Module):

@@ -14,7 +14,7 @@ Attention is computed three ways, chosen per call (`attn=`):
 GradMem asks for "eager"/"hvp" only on passes it differentiates twice (WRITE with create_graph).
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -41,6 +41,19 @@ class GPTConfig:
     rope_theta: float = 500000.0
     rope_llama3: bool = field(default=True, metadata={"help": "Llama-3 RoPE frequency scaling"})
     norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        for f in fields(self):                      # choices: argparse checks the flags, this the Python API
+            if "choices" in f.metadata and getattr(self, f.name) not in f.metadata["choices"]:
+                raise ValueError(f"{f.name} must be one of {f.metadata['choices']}, got {getattr(self, f.name)!r}")
+        if min(self.n_layer, self.n_head, self.n_embd, self.n_hidden) < 1 or self.n_embd % self.n_head:
+            raise ValueError(f"--n_layer, --n_head, --n_embd, --n_hidden must be >= 1 and --n_embd a multiple of "
+                             f"--n_head, got {self.n_layer}, {self.n_head}, {self.n_embd}, {self.n_hidden}")
+        if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"RoPE rotates pairs of channels: the head size --n_embd / --n_head must be even, "
+                             f"got {self.n_embd} / {self.n_head}")
+        if not 0 < self.rope_theta < float("inf") or not 0 < self.norm_eps < 1:
+            raise ValueError(f"--rope_theta must be finite and > 0, --norm_eps in (0, 1), got {self.rope_theta}, {self.norm_eps}")
 
 
 def rope_frequencies(hs, theta, llama3):

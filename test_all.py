@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -98,7 +99,12 @@ def test_llama3_rope_scaling():
     assert torch.equal(scaled[wavelen < 2048], inv[wavelen < 2048])                       # high freq: untouched
     assert torch.allclose(scaled[wavelen > 8192], inv[wavelen > 8192] / 32)               # low freq: / factor
     mid = (wavelen >= 2048) & (wavelen <= 8192)
-    assert ((scaled[mid] < inv[mid]) & (scaled[mid] > inv[mid] / 32)).all()
+    assert mid.sum() == 1 and ((scaled[mid] < inv[mid]) & (scaled[mid] > inv[mid] / 32)).all()
+    for f, g in zip(inv.tolist(), scaled.tolist()):         # element by element, Llama 3.1's published rule
+        s = (8192 / (2 * math.pi / f) - 1) / (4 - 1)         # 0 at wavelength 8192, 1 at 2048: continuous at both
+        assert g == pytest.approx(f if s > 1 else f / 32 if s < 0 else (1 - s) * f / 32 + s * f, rel=1e-12)
+    i = mid.nonzero().item()                                # hs 32, theta 5e5: wavelength 4443, s = 0.2813
+    assert (scaled[i] / inv[i]).item() == pytest.approx(0.30374, abs=1e-5)
 
 
 def test_param_count_matches_paper_model():
@@ -649,6 +655,22 @@ def test_by_pair_counts_answers_taken_from_another_pair():
     acc.add(logits, b)
     r = acc.result()
     assert r["other_pair"] == pytest.approx(2 / 6) and sum(e * c for e, c in zip(r["em_by_pair"], r["n_by_pair"])) == pytest.approx(3)
+    ov = data.key_overlap(b["ctx"], b["q"])
+    ok = torch.tensor([s not in (2, 3, 4) for s in range(6)])
+    assert r["n_by_key_overlap"] == [int((~ov).sum()), int(ov.sum())]
+    assert r["em_by_key_overlap"] == pytest.approx([(ok & ~ov).sum().item() / max(1, (~ov).sum().item()),
+                                                    (ok & ov).sum().item() / max(1, ov.sum().item())])
+
+
+def test_key_overlap_matches_the_text():
+    ctx, q, _ = data.sample_kv(np.random.default_rng(5), 200, 5)
+    got = data.key_overlap(torch.as_tensor(ctx), torch.as_tensor(q)).tolist()
+    for c, qq, g in zip(ctx, q, got):
+        key = data.decode(qq)[2:4]
+        others = [p.strip("!|").split(":")[0] for p in data.decode(c).split("!!")]
+        others.remove(key)                                          # keys are unique: exactly one is the queried
+        assert g == any(set(key) & set(o) for o in others)
+    assert 0 < sum(got) < len(got)                                  # both kinds occur in 200 draws
 
 
 def test_queried_pair_matches_the_text():
@@ -773,6 +795,20 @@ def test_resume_never_overwrites_a_better_best_checkpoint(tmp_path):
     assert sha(os.path.join(out, "best.pt")) == before
 
 
+def test_resume_counts_patience_on_and_drops_a_cut_off_log_line(tmp_path):
+    out = str(tmp_path / "run")
+    train.main(SMALL + ["--K=1", "--max_steps=2", f"--out_dir={out}", "--patience=2"])
+    ck = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    ck["best_em"], ck["since_best"] = 1.0, 1                 # one evaluation already without a better EM
+    torch.save(ck, os.path.join(out, "ckpt.pt"))
+    with open(os.path.join(out, "log.jsonl"), "a") as f:
+        f.write('{"kind": "train", "st')                      # a kill in the middle of an append
+    train.main(SMALL + ["--K=1", "--max_steps=20", f"--out_dir={out}", "--patience=2", "--resume"])
+    recs = [json.loads(l) for l in open(os.path.join(out, "log.jsonl"))]   # every line parses again
+    assert max(r.get("step", 0) for r in recs) == 4          # the 2nd evaluation without progress stops it
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["since_best"] == 2
+
+
 def test_bench_and_profile(capsys):
     res = train.main(SMALL + ["--K=1", "--bench=1", "--profile"])
     assert res["median_s_per_step"] > 0 and res["gflop_per_step"] > 0 and res["peak_gb"] > 0
@@ -880,6 +916,13 @@ def test_bad_input_fails_cleanly_and_keeps_checkpoints(tmp_path, monkeypatch):
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--n_eval=0"], "--n_eval")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--curriculum_em=1.5"], "--curriculum_em")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--pairs=300", "--pos=learned"], "learned positions")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--n_head=3"], "multiple of --n_head")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--n_head=0"], "multiple of --n_head")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--n_embd=12", "--n_head=4"], "must be even")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--rope_theta=-1"], "--rope_theta")
+    os.makedirs(tmp_path / "b")
+    shutil.copyfile(os.path.join(good, "best.pt"), tmp_path / "b" / "best.pt")      # a run's best.pt alone
+    run_fails(SMALL + [f"--out_dir={tmp_path}/b"], "best.pt exists")
     log_before = sha(os.path.join(good, "log.jsonl"))
     run_fails(SMALL + [f"--out_dir={good}", f"--init_from={good}/best.pt"], "--resume")    # init_from into a run
     assert sha(os.path.join(good, "log.jsonl")) == log_before

@@ -195,9 +195,11 @@ def init_from(gm, path, cfgs):
     gm.load_state_dict(state)
 
 
-def save_checkpoint(path, gm, opt, step, best_em, cfgs, pairs):
-    """pairs: the number of pairs trained at (a curriculum stage below --pairs, or --pairs)."""
+def save_checkpoint(path, gm, opt, step, best_em, cfgs, pairs, since_best=0):
+    """pairs: the number of pairs trained at (a curriculum stage below --pairs, or --pairs); since_best: evaluations
+    without a better EM (--patience counts on across --resume)."""
     ckpt = {"model": gm.state_dict(), "optimizer": opt.state_dict(), "step": step, "best_em": best_em,
+            "since_best": since_best,
             "pairs": pairs, "config": {k: asdict(c) for k, c in cfgs.items()}, "rng": torch.get_rng_state()}
     torch.save(ckpt, path + ".tmp")
     os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written checkpoint
@@ -390,15 +392,16 @@ def run(cfgs, argv):
         tcfg.grad_accum = auto_grad_accum(tcfg.batch_size, write_len, gcfg.K)
     gm = build(cfgs).to(device)
     opt = torch.optim.AdamW(gm.parameters(), lr=tcfg.lr, betas=(0.9, 0.999), weight_decay=tcfg.weight_decay)
-    ckpt_path, step, best_em = os.path.join(tcfg.out_dir, "ckpt.pt"), 0, -1.0
-    if not tcfg.resume and not tcfg.bench and os.path.exists(ckpt_path):   # --init_from included: never overwrite a run
-        raise RunError(f"{ckpt_path} exists: pass --resume to continue that run, or choose another --out_dir")
+    ckpt_path, step, best_em, since_best = os.path.join(tcfg.out_dir, "ckpt.pt"), 0, -1.0, 0
+    for old in (ckpt_path, os.path.join(tcfg.out_dir, "best.pt")):   # --init_from included: never overwrite a run
+        if not tcfg.resume and not tcfg.bench and os.path.exists(old):
+            raise RunError(f"{old} exists: pass --resume to continue that run, or choose another --out_dir")
     if tcfg.resume:
         ckpt = load_checkpoint(ckpt_path, resume=True)
         check_match(ckpt_path, ckpt["config"], cfgs, ["model", "gradmem", "train"])
         gm.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        step, best_em = ckpt["step"], ckpt["best_em"]
+        step, best_em, since_best = ckpt["step"], ckpt["best_em"], ckpt.get("since_best", 0)
         torch.set_rng_state(ckpt["rng"])
         best_path = os.path.join(tcfg.out_dir, "best.pt")  # saved just before ckpt.pt: a kill between the two leaves
         if os.path.exists(best_path):                      # it ahead; never overwrite it with a worse model
@@ -446,7 +449,7 @@ def run(cfgs, argv):
 
     log(header)
     K_eval = gcfg.K if gcfg.K_eval < 0 else gcfg.K_eval
-    t0, last, since_best = time.time(), None, 0
+    t0, last = time.time(), None
     bar = tqdm(range(step, tcfg.max_steps), initial=step, total=tcfg.max_steps, dynamic_ncols=True, disable=None)
     for step in bar:
         lr = lr_at(step, tcfg)
@@ -482,7 +485,7 @@ def run(cfgs, argv):
                 graphed = make_graphed(gm, task, tcfg, device, autocast)
                 log(dict(kind="stage", step=done, pairs=pairs, time=time.time() - t0))
                 tqdm.write(f"curriculum: {pairs} pairs from step {done}")
-            save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs, pairs)
+            save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs, pairs, since_best)
             if last["pairs"] == tcfg.pairs and last["em"] >= tcfg.target_em:
                 tqdm.write(f"reached target EM {tcfg.target_em} at step {done} ({time.time() - t0:.0f} s)")
                 break
@@ -497,12 +500,23 @@ def run(cfgs, argv):
 
 
 def keep_log(path, step):
-    """On resume, drop log records past the checkpoint's step (they will be produced again). Headers of the
-    earlier segments stay: they record how the run began (its argv, --init_from, commit)."""
+    """On resume, drop log records past the checkpoint's step (they will be produced again), and a last line cut
+    short by a kill. Headers of the earlier segments stay: they record how the run began (argv, --init_from, commit)."""
     if not os.path.exists(path):
         return
     with open(path) as f:
-        recs = [line for line in f if json.loads(line).get("step", json.loads(line).get("resumed_at", 0)) <= step]
+        lines = f.readlines()
+    recs = []
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:                        # a write interrupted mid-line: drop it
+                print(f"note: dropped a cut-off last line of {path}")
+                continue
+            raise RunError(f"{path} line {i + 1} is not JSON: fix or move the log before --resume") from None
+        if rec.get("step", rec.get("resumed_at", 0)) <= step:
+            recs.append(line)
     with open(path + ".tmp", "w") as f:
         f.writelines(recs)
     os.replace(path + ".tmp", path)
