@@ -25,7 +25,7 @@ import eval as eval_script
 import plot
 import train
 from gradmem import GradMem, GradMemConfig, read_loss, write, write_loss
-from model import GPT, MLP, GPTConfig, apply_rope, attention, rope_frequencies
+from model import GPT, MLP, GPTConfig, apply_rope, attention, rope_frequencies, rope_tables
 
 torch.use_deterministic_algorithms(True)
 TINY = dict(n_layer=2, n_head=2, n_embd=16, n_hidden=32, vocab_size=len(data.VOCAB))
@@ -222,6 +222,13 @@ def test_write_loss_is_eq4():
     g_pair, = torch.autograd.grad(write_loss(gm.model, gm.write_head, mem, b["ctx"])[0], mem)
     g_one, = torch.autograd.grad(write_loss(gm.model, gm.write_head, mem[:1], b["ctx"][:1])[0], mem)
     assert torch.allclose(g_pair[0], g_one[0], atol=1e-12)
+    # right padding: PAD tokens add no loss and do not count in the per-sample mean (the reference sees no PAD)
+    short = b["ctx"][1:, :-4]                                                # sample 1 without its last 4 tokens
+    padded = torch.cat([b["ctx"][:1], torch.cat([short, torch.full_like(short[:, :4], data.PAD)], 1)])
+    loss, nll = write_loss(gm.model, gm.write_head, mem.detach(), padded)
+    want = reference_write_loss(gm.model, gm.write_head, mem[:1].detach(), b["ctx"][:1]) + \
+        reference_write_loss(gm.model, gm.write_head, mem[1:].detach(), short)
+    assert torch.allclose(loss, want, atol=1e-10) and (nll[1, -4:] == 0).all()
 
 
 def test_kv_prefix_attention_matches_explicit_softmax():
@@ -492,6 +499,116 @@ def test_sliding_window_attention_sees_only_the_window():
     assert torch.allclose(a[:, :2], b[:, :2]) and torch.allclose(a[:, 5:], b[:, 5:])   # before 2, or 3+ after it
     assert not torch.allclose(a[:, 2:5], b[:, 2:5])
     assert torch.allclose(layer(x, None, "sdpa", window=9), layer(x, None, "sdpa"), atol=1e-12)
+
+
+def test_mamba_block_equals_a_token_by_token_reference():
+    """Mamba2Block (docstring): in-projection, causal depthwise conv + silu, H_t = exp(dt A) H + dt x B^T,
+    y = H C + D x, gate silu(z), RMSNorm, out-projection; here one token at a time with explicit sums, T = 37
+    (three scan chunks of 16)."""
+    torch.manual_seed(0)
+    blk = baselines.Mamba2Block(16, d_state=4, headdim=8, expand=2, d_conv=4).double()
+    u = torch.randn(2, 37, 16, dtype=torch.float64)
+    nh, P, N, di = blk.n_heads, blk.headdim, blk.d_state, blk.d_inner
+    proj = u @ blk.in_proj.weight.T
+    z, xBC_in, dt_raw = proj[..., :di], proj[..., di:2 * di + 2 * N], proj[..., 2 * di + 2 * N:]
+    w, cb = blk.conv.weight[:, 0], blk.conv.bias                  # (channels, 4): w[:, 3] multiplies the current token
+    H, ys = torch.zeros(2, nh, P, N, dtype=torch.float64), []
+    for t in range(37):
+        conv = cb + sum(w[:, 3 - j] * xBC_in[:, t - j] for j in range(4) if t - j >= 0)   # causal: no future token
+        xBC = conv * torch.sigmoid(conv)
+        x, B, C = xBC[:, :di].view(2, nh, P), xBC[:, di:di + N], xBC[:, di + N:]
+        dt = torch.log1p(torch.exp(dt_raw[:, t] + blk.dt_bias))       # softplus
+        A = -torch.exp(blk.A_log)
+        H = torch.exp(dt * A)[..., None, None] * H + (dt[..., None] * x)[..., None] * B[:, None, None, :]
+        y = (H @ C[:, None, :, None]).squeeze(-1) + blk.D[:, None] * x
+        g = y.reshape(2, di) * z[:, t] * torch.sigmoid(z[:, t])
+        g = g / torch.sqrt((g * g).mean(-1, keepdim=True) + 1e-5) * blk.norm.weight
+        ys.append(g @ blk.out_proj.weight.T)
+    assert torch.allclose(blk(u), torch.stack(ys, 1), atol=1e-10)
+
+
+def test_ttt_linear_layer_equals_a_token_by_token_reference():
+    """TTTLinear (docstring): eta = eta_base / hs * sigmoid(theta_lr x); per mini-batch of 4 tokens every z_t reads
+    W, b after the gradient steps of the mini-batch's tokens s <= t, all taken at its first (W, b) (autograd here);
+    RoPE at the position inside the mini-batch; LayerNorm per head; out-projection. T = 10: 4 + 4 + 2."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(**TINY)
+    ttt = baselines.TTTLinear(cfg, chunk=4, eta_base=1.0).double()
+    with torch.no_grad():
+        ttt.b0.normal_()
+    x = torch.randn(2, 10, 16, dtype=torch.float64)
+    nh, hs = 2, 8
+    q, k, v = (t.view(2, 10, nh, hs).transpose(1, 2) for t in (x @ ttt.qkv.weight.T).split(16, dim=-1))
+    inv = ttt.rope_inv_freq.double()
+    def rot(a, t):                                          # rotate (a_i, a_{i+hs/2}) by (t mod 4) * inv_i
+        c, s = torch.cos((t % 4) * inv), torch.sin((t % 4) * inv)
+        return torch.cat([a[..., :4] * c - a[..., 4:] * s, a[..., :4] * s + a[..., 4:] * c], -1)
+    eta = 1.0 / hs * torch.sigmoid(x @ ttt.lr.weight.T + ttt.lr.bias)              # (2, 10, nh)
+    W, b, zs = ttt.W0.expand(2, -1, -1, -1).clone(), ttt.b0.expand(2, -1, -1).clone(), []
+    for c0 in range(0, 10, 4):
+        W0, b0 = W.detach().requires_grad_(), b.detach().requires_grad_()
+        ts = list(range(c0, min(c0 + 4, 10)))
+        def inner(upto):                                    # sum_{s in batch, s <= upto} eta_s |W k_s + b - v_s|^2 / 2
+            return sum((eta[:, s, :, None] * (((W0 @ rot(k[:, :, s], s)[..., None]).squeeze(-1) + b0 - v[:, :, s]) ** 2)).sum() / 2
+                       for s in ts if s <= upto)
+        for t in ts:
+            gW, gb = torch.autograd.grad(inner(t), (W0, b0))
+            zs.append(((W0 - gW) @ rot(q[:, :, t], t)[..., None]).squeeze(-1) + b0 - gb)
+        gW, gb = torch.autograd.grad(inner(ts[-1]), (W0, b0))
+        W, b = (W0 - gW).detach(), (b0 - gb).detach()
+    z = torch.stack(zs, 2)                                                           # (2, nh, 10, hs)
+    z = (z - z.mean(-1, keepdim=True)) / torch.sqrt(z.var(-1, unbiased=False, keepdim=True) + 1e-5) * ttt.ln.weight + ttt.ln.bias
+    want = z.transpose(1, 2).reshape(2, 10, 16) @ ttt.o.weight.T
+    assert torch.allclose(ttt(x), want, atol=1e-10)
+
+
+def test_lact_applies_each_chunks_fast_weights_before_updating_them():
+    """LaCT (docstring): chunk c's queries read f with the fast weights after chunks < c; then one gradient step
+    (autograd here) on L = -sum_t eta_t <f(k_t), v_t> over chunk c; plus the sliding-window attention. T = 8, chunk 3."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(**TINY)
+    lact = baselines.LaCT(cfg, chunk=3).double()
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    q, k, v = (t.view(2, 8, 2, 8).transpose(1, 2) for t in (x @ lact.qkv.weight.T).split(16, dim=-1))
+    q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+    eta = F.softplus(x @ lact.lr.weight.T + lact.lr.bias).transpose(1, 2)           # (2, nh, 8)
+    f = lambda W, a: (F.silu(a @ W[0].transpose(-1, -2)) * (a @ W[2].transpose(-1, -2))) @ W[1].transpose(-1, -2)
+    W, outs = [w.expand(2, -1, -1, -1).detach() for w in lact.W], []
+    for c0 in range(0, 8, 3):
+        sl = slice(c0, c0 + 3)
+        outs.append(f(W, q[:, :, sl]))                                              # apply first ...
+        W = [w.requires_grad_() for w in W]
+        g = torch.autograd.grad(-(eta[:, :, sl, None] * f(W, k[:, :, sl]) * v[:, :, sl]).sum(), W)
+        W = [(w - gw).detach() for w, gw in zip(W, g)]                              # ... then update
+    fast = torch.cat(outs, 2).transpose(1, 2).reshape(2, 8, 16) @ lact.o.weight.T
+    local = lact.swa(x, rope_tables(lact.rope_inv_freq, torch.arange(8), x.dtype), "sdpa", window=16)
+    assert torch.allclose(lact(x), local + fast, atol=1e-10)
+
+
+def test_armt_writes_from_segment_one_and_reads_before_every_layer():
+    """ARMT's two segments (docstring): [C; M] through the blocks, layer i's memory written from its output at
+    the m memory tokens; then [Q; Y] with layer i's memory read into the input of block i. Explicit block loop."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY)).double()
+    armt = baselines.ARMT(model, n_mem=3, d_mem=4, nu=2).double()
+    for a in armt.assoc:
+        torch.nn.init.normal_(a.W_v.weight, std=0.5)                               # reads add something
+    b = tiny_batch()
+    inv, blocks = model.rope_inv_freq, model.transformer.h
+    x = torch.cat([model.transformer.wte.weight[b["ctx"]], armt.mem0.expand(2, -1, -1)], 1)
+    rope, state = rope_tables(inv, torch.arange(x.size(1)), x.dtype), []
+    for i, blk in enumerate(blocks):
+        x = blk(x, rope, "eager")
+        state.append(armt.assoc[i].write(x[:, -3:]))
+    h = model.transformer.wte.weight[torch.cat([b["q"], b["y"][:, :-1]], 1)]
+    rope = rope_tables(inv, torch.arange(h.size(1)), h.dtype)
+    for i, blk in enumerate(blocks):
+        h = blk(h + armt.assoc[i].read(h, *state[i]), rope, "eager")
+    want = model.lm_head(model.transformer.ln_f(h)[:, -b["y"].size(1):])
+    got = armt(b["ctx"], b["q"], b["y"])["logits"]
+    assert torch.allclose(got, want, atol=1e-10)
+    other = tiny_batch(seed=1)["ctx"]                                               # the answer depends on C
+    assert not torch.allclose(armt(other, b["q"], b["y"])["logits"], got, atol=1e-6)
 
 
 def test_mamba_chunked_scan_equals_sequential_recurrence():
