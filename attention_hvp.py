@@ -192,18 +192,26 @@ def _cpu_peak_mb(fn, T):
     import os, subprocess, sys
     code = (f"import attention_hvp as a\n"
             f"hwm = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\n"
-            f"h0 = hwm(); a._bench(a.{fn}, {T}, 'cpu', reps=1); print((hwm() - h0) / 1024)")
+            f"a.BLOCK = {BLOCK}\nh0 = hwm(); a._bench(a.{fn}, {T}, 'cpu', reps=1); print((hwm() - h0) / 1024)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.abspath(__file__)))
     return float(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
+    import argparse
+    p = argparse.ArgumentParser(description="explicit-math vs hand-derived attention: time and peak memory")
+    p.add_argument("--block", type=int, default=BLOCK, help=f"query rows per block (default {BLOCK})")
+    p.add_argument("--T", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
+    args = p.parse_args()
+    if args.block < 1 or min(args.T) < 1:
+        p.error(f"--block and --T must be >= 1, got {args.block}, {args.T}")
+    BLOCK = args.block
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"forward + backward(create_graph) + second backward, B=8 nh=4 hs=32, {device}, "
+    print(f"forward + backward(create_graph) + second backward, B=8 nh=4 hs=32, block {BLOCK} rows, {device}, "
           f"{torch.get_num_threads()} threads; median of 3; peak = {'CUDA max allocated' if device == 'cuda' else 'RSS growth, fresh process'}")
     print(f"{'T':>5} {'explicit s':>10} {'hvp s':>8} {'speedup':>7} {'explicit MB':>11} {'hvp MB':>8} {'mem ratio':>9}")
-    for T in (128, 256, 512, 1024, 2048):
+    for T in args.T:
         te, me = _bench(attention_reference, T, device)
         th, mh = _bench(attention, T, device)
         if device == "cpu":
