@@ -115,7 +115,8 @@ def evaluate_ks(gm, task, K_list, device, batch_size=250):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ckpt", help="checkpoint written by train.py (best.pt or ckpt.pt)")
-    p.add_argument("--K_eval", type=int, nargs="+", default=None, help="WRITE steps at test time (default: the trained --K_eval, else K: the K best.pt was picked at)")
+    p.add_argument("--K_eval", type=int, nargs="+", default=None,
+                   help="WRITE steps at test time (default: the trained --K_eval, else K: the K best.pt was picked at)")
     p.add_argument("--alpha", type=float, default=None, help="inner lr alpha of Eq. (5) at test time (default: the trained one)")
     p.add_argument("--pairs", type=int, default=None, help="KV pairs (default: the pairs the checkpoint was trained at)")
     p.add_argument("--n_eval", type=int, default=None, help="held-out samples (default: the trained --n_eval; "

@@ -53,7 +53,8 @@ class GPTConfig:
             raise ValueError(f"RoPE rotates pairs of channels: the head size --n_embd / --n_head must be even, "
                              f"got {self.n_embd} / {self.n_head}")
         if not 0 < self.rope_theta < float("inf") or not 0 < self.norm_eps < 1:
-            raise ValueError(f"--rope_theta must be finite and > 0, --norm_eps in (0, 1), got {self.rope_theta}, {self.norm_eps}")
+            raise ValueError(f"--rope_theta must be finite and > 0, --norm_eps in (0, 1), "
+                             f"got {self.rope_theta}, {self.norm_eps}")
 
 
 def rope_frequencies(hs, theta, llama3):

@@ -549,15 +549,16 @@ def test_ttt_linear_layer_equals_a_token_by_token_reference():
         W0, b0 = W.detach().requires_grad_(), b.detach().requires_grad_()
         ts = list(range(c0, min(c0 + 4, 10)))
         def inner(upto):                                    # sum_{s in batch, s <= upto} eta_s |W k_s + b - v_s|^2 / 2
-            return sum((eta[:, s, :, None] * (((W0 @ rot(k[:, :, s], s)[..., None]).squeeze(-1) + b0 - v[:, :, s]) ** 2)).sum() / 2
-                       for s in ts if s <= upto)
+            err = lambda s: (W0 @ rot(k[:, :, s], s)[..., None]).squeeze(-1) + b0 - v[:, :, s]
+            return sum((eta[:, s, :, None] * err(s) ** 2).sum() / 2 for s in ts if s <= upto)
         for t in ts:
             gW, gb = torch.autograd.grad(inner(t), (W0, b0))
             zs.append(((W0 - gW) @ rot(q[:, :, t], t)[..., None]).squeeze(-1) + b0 - gb)
         gW, gb = torch.autograd.grad(inner(ts[-1]), (W0, b0))
         W, b = (W0 - gW).detach(), (b0 - gb).detach()
     z = torch.stack(zs, 2)                                                           # (2, nh, 10, hs)
-    z = (z - z.mean(-1, keepdim=True)) / torch.sqrt(z.var(-1, unbiased=False, keepdim=True) + 1e-5) * ttt.ln.weight + ttt.ln.bias
+    z = (z - z.mean(-1, keepdim=True)) / torch.sqrt(z.var(-1, unbiased=False, keepdim=True) + 1e-5)   # LayerNorm
+    z = z * ttt.ln.weight + ttt.ln.bias
     want = z.transpose(1, 2).reshape(2, 10, 16) @ ttt.o.weight.T
     assert torch.allclose(ttt(x), want, atol=1e-10)
 
