@@ -34,12 +34,21 @@ import math
 
 import torch
 
-BLOCK = 128  # at most this many query rows per block: every transient is (B*nh, <= BLOCK, T)
+BLOCK = 128   # query rows per block on the CPU, where it was the fastest of 128 ... 1024 rows (README)
+CUDA_BLOCK_FLOATS = 2 ** 25   # on CUDA, as many rows as keep each (B*nh, rows, T) transient within this (128 MB)
+BLOCK_FIXED = None            # an int forces the rows per block (tests, `--block`)
 
 
-def _blocks(T):
-    """Equal row blocks of at most BLOCK rows (T = 257 gives 2 blocks of 129 and 128, not 256 and 1)."""
-    n = -(-T // BLOCK)
+def block_rows(N, T, cuda):
+    """Query rows per block for N = B*nh sequences of length T. CUDA gets larger blocks: each block launches the
+    same ~10 kernels, which at these sizes cost more than their arithmetic (README, "On a GPU")."""
+    return BLOCK_FIXED or (max(BLOCK, CUDA_BLOCK_FLOATS // (N * T)) if cuda else BLOCK)
+
+
+def _blocks(x):
+    """Equal row blocks of x (B*nh, T, hs) (T = 257 in blocks of <= 128 rows: 129 and 128, not 128, 128 and 1)."""
+    N, T = x.shape[:2]
+    n = -(-T // block_rows(N, T, x.is_cuda))
     edges = [T * i // n for i in range(n + 1)]
     return list(zip(edges[:-1], edges[1:]))
 
@@ -73,7 +82,7 @@ class _AttentionBackward(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.size(-1))
         neg_D = -(do * o).sum(-1, keepdim=True)                                   # -D = -rowsum(dO * O)
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for i0, i1 in _blocks(q.size(1)):
+        for i0, i1 in _blocks(q):
             p = _probs(q, k, lse, i0, i1, _mask_bias(i0, i1, key_mask, nh, q), scale)   # (N, R, i1)
             dv[:, :i1].baddbmm_(p.transpose(1, 2), do[:, i0:i1])                  # dV = P^T dO
             ds = torch.baddbmm(neg_D[:, i0:i1], do[:, i0:i1], v[:, :i1].transpose(1, 2)).mul_(p)   # dS = P * (dP - D)
@@ -96,7 +105,7 @@ class _AttentionBackward(torch.autograd.Function):
         neg_D = -(do * o).sum(-1, keepdim=True)
         sq, sgq = scale * q, scale * gq
         d_q, d_k, d_v, d_do = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.empty_like(do)
-        for i0, i1 in _blocks(q.size(1)):
+        for i0, i1 in _blocks(q):
             R, J = slice(i0, i1), slice(0, i1)
             p = _probs(q, k, lse, i0, i1, _mask_bias(i0, i1, ctx.key_mask, ctx.nh, q), scale)
             dp_c = torch.baddbmm(neg_D[:, R], do[:, R], v[:, J].transpose(1, 2))   # dP - D
@@ -121,7 +130,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, key_mask, nh):
         scale = 1.0 / math.sqrt(q.size(-1))
         o, lse = torch.empty_like(q), torch.empty(q.shape[:-1] + (1,), dtype=q.dtype, device=q.device)
-        for i0, i1 in _blocks(q.size(1)):
+        for i0, i1 in _blocks(q):
             s = torch.baddbmm(_mask_bias(i0, i1, key_mask, nh, q), q[:, i0:i1], k[:, :i1].transpose(1, 2), alpha=scale)
             l = torch.logsumexp(s, dim=-1, keepdim=True)
             l = torch.where(torch.isinf(l), torch.zeros_like(l), l)   # a row with no visible key: P = 0, O = 0
@@ -192,7 +201,7 @@ def _cpu_peak_mb(fn, T):
     import os, subprocess, sys
     code = (f"import attention_hvp as a\n"
             f"hwm = lambda: int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\n"
-            f"a.BLOCK = {BLOCK}\nh0 = hwm(); a._bench(a.{fn}, {T}, 'cpu', reps=1); print((hwm() - h0) / 1024)")
+            f"a.BLOCK_FIXED = {BLOCK_FIXED}\nh0 = hwm(); a._bench(a.{fn}, {T}, 'cpu', reps=1); print((hwm() - h0) / 1024)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.abspath(__file__)))
     return float(out.stdout.strip().splitlines()[-1])
@@ -201,14 +210,15 @@ def _cpu_peak_mb(fn, T):
 if __name__ == "__main__":
     import argparse
     p = argparse.ArgumentParser(description="explicit-math vs hand-derived attention: time and peak memory")
-    p.add_argument("--block", type=int, default=BLOCK, help=f"query rows per block (default {BLOCK})")
+    p.add_argument("--block", type=int, default=None,
+                   help=f"query rows per block (default: {BLOCK} on CPU; on CUDA within {CUDA_BLOCK_FLOATS} floats)")
     p.add_argument("--T", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
     args = p.parse_args()
-    if args.block < 1 or min(args.T) < 1:
+    if (args.block is not None and args.block < 1) or min(args.T) < 1:
         p.error(f"--block and --T must be >= 1, got {args.block}, {args.T}")
-    BLOCK = args.block
+    BLOCK_FIXED = args.block
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"forward + backward(create_graph) + second backward, B=8 nh=4 hs=32, block {BLOCK} rows, {device}, "
+    print(f"forward + backward(create_graph) + second backward, B=8 nh=4 hs=32, block {BLOCK_FIXED or 'default'} rows, {device}, "
           f"{torch.get_num_threads()} threads; median of 3; peak = {'CUDA max allocated' if device == 'cuda' else 'RSS growth, fresh process'}")
     print(f"{'T':>5} {'explicit s':>10} {'hvp s':>8} {'speedup':>7} {'explicit MB':>11} {'hvp MB':>8} {'mem ratio':>9}")
     for T in args.T:

@@ -139,7 +139,7 @@ def padded_mask(B, T, left=True):
 @pytest.mark.parametrize("shape,pad,block", [((1, 1, 4, 4), False, 256), ((2, 2, 7, 3), False, 3),
                                              ((2, 2, 7, 3), True, 3), ((1, 2, 10, 2), True, 4)])
 def test_attention_hvp_gradcheck_and_gradgradcheck(shape, pad, block, monkeypatch):
-    monkeypatch.setattr(attention_hvp, "BLOCK", block)    # small blocks exercise the causal block loop
+    monkeypatch.setattr(attention_hvp, "BLOCK_FIXED", block)    # small blocks exercise the causal block loop
     torch.manual_seed(0)
     q, k, v = (torch.randn(*shape, dtype=torch.float64, requires_grad=True) for _ in range(3))
     km = padded_mask(shape[0], shape[2]) if pad else None
@@ -148,9 +148,24 @@ def test_attention_hvp_gradcheck_and_gradgradcheck(shape, pad, block, monkeypatc
     assert torch.autograd.gradgradcheck(f, (q, k, v))
 
 
+def test_attention_hvp_blocks_cover_the_rows_in_near_equal_parts():
+    """The row blocks tile [0, T) in order, differ by at most one row and respect the device's rows per block:
+    128 on CPU; on CUDA as many as keep a (B*nh, rows, T) transient within CUDA_BLOCK_FLOATS."""
+    assert attention_hvp.block_rows(32, 1024, cuda=False) == 128
+    assert attention_hvp.block_rows(32, 1024, cuda=True) == 1024      # 32 * 1024 * 1024 = 2^25 floats
+    assert attention_hvp.block_rows(32, 2048, cuda=True) == 512
+    assert attention_hvp.block_rows(32, 121, cuda=True) == 2 ** 25 // (32 * 121)
+    assert attention_hvp.block_rows(4096, 4096, cuda=True) == 128      # never below the CPU's size
+    for T in (1, 127, 128, 129, 257, 1000):
+        b = attention_hvp._blocks(torch.empty(2, T, 4))
+        sizes = [i1 - i0 for i0, i1 in b]
+        assert b[0][0] == 0 and b[-1][1] == T and all(x[1] == y[0] for x, y in zip(b, b[1:]))
+        assert max(sizes) <= 128 and max(sizes) - min(sizes) <= 1 and len(b) == -(-T // 128)
+
+
 @pytest.mark.parametrize("T,pad", [(5, False), (13, True), (37, False)])
 def test_attention_hvp_matches_explicit_attention_twice_differentiated(T, pad, monkeypatch):
-    monkeypatch.setattr(attention_hvp, "BLOCK", 8)
+    monkeypatch.setattr(attention_hvp, "BLOCK_FIXED", 8)
     torch.manual_seed(T)
     q, k, v = (torch.randn(2, 3, T, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
     w, u = torch.randn(2, 2, 3, T, 4, dtype=torch.float64)
