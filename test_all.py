@@ -996,6 +996,25 @@ def test_lr_schedule_warmup_then_cosine():
     assert lrs[60] == pytest.approx(1e-4 + 0.5 * 9e-4)                                 # cosine midpoint
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[110] == lrs[199] == pytest.approx(1e-4)
     assert train.lr_at(10_000, train.TrainConfig(lr=1e-3, warmup=10)) == 1e-3          # no --decay_steps: constant
+    assert train.lr_at(60, t, decay_from=50) == pytest.approx(1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * 0.1)))
+    assert train.lr_at(49, t, decay_from=50) == train.lr_at(199, t, decay_from=None) == 1e-3   # before the last stage
+
+
+def test_curriculum_decays_the_lr_from_its_last_stage_across_resume(tmp_path, monkeypatch):
+    """--decay_steps with the curriculum: --lr until the last stage begins, then the cosine, also after --resume."""
+    monkeypatch.setattr(train, "evaluate", lambda gm, task, K, device: dict(
+        em=1.0 if task.n_pairs < 4 else 0.5, acc=1.0, write_loss0=0.0))
+    lrs, step_fn = [], train.train_step
+    monkeypatch.setattr(train, "train_step", lambda gm, opt, *a: lrs.append(opt.param_groups[0]["lr"]) or step_fn(gm, opt, *a))
+    flags = SMALL + ["--pairs=4", "--curriculum_em=0.9", "--K=1", "--eval_interval=1", "--warmup=0",
+                     "--lr=1e-3", "--min_lr=0", "--decay_steps=4"]
+    train.main(flags + ["--max_steps=7", f"--out_dir={tmp_path}/full"])
+    cos = [0.5e-3 * (1 + math.cos(math.pi * t / 4)) for t in range(5)]
+    assert lrs == pytest.approx([1e-3, 1e-3] + cos)         # 1 and 2 pairs at --lr; 4 pairs from step 2 on
+    full, lrs[:] = list(lrs), []
+    train.main(flags + ["--max_steps=4", f"--out_dir={tmp_path}/part"])
+    train.main(flags + ["--max_steps=7", f"--out_dir={tmp_path}/part", "--resume"])
+    assert lrs == pytest.approx(full)
 
 
 def test_grad_accum_equals_full_batch(tmp_path):

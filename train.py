@@ -42,7 +42,8 @@ class TrainConfig:
                                                          "holds at most TOKEN_STEPS tokens x K"})
     lr: float = field(default=1e-3, metadata={"help": "AdamW peak lr (paper: 1e-4, see README deviations)"})
     warmup: int = field(default=200, metadata={"help": "linear warmup steps"})
-    decay_steps: int = field(default=0, metadata={"help": "cosine decay to --min_lr over this many steps after warmup, "
+    decay_steps: int = field(default=0, metadata={"help": "cosine decay to --min_lr over this many steps after warmup "
+                                                           "(with the curriculum: from the start of its last stage), "
                                                            "then --min_lr (0: constant lr after warmup)"})
     min_lr: float = 0.0
     weight_decay: float = 0.01
@@ -119,13 +120,15 @@ def curriculum(tcfg):
     return stages if stages[-1] == tcfg.pairs else stages + [tcfg.pairs]
 
 
-def lr_at(step, tcfg):
-    """Linear warmup to --lr, then (with --decay_steps) a cosine down to --min_lr."""
+def lr_at(step, tcfg, decay_from=0):
+    """Linear warmup to --lr, then (with --decay_steps) a cosine down to --min_lr that starts at step decay_from or at
+    the end of warmup, whichever is later. The curriculum passes the step its last stage began (None before that:
+    the earlier stages keep --lr)."""
     if step < tcfg.warmup:
         return tcfg.lr * (step + 1) / tcfg.warmup
-    if not tcfg.decay_steps:
+    if not tcfg.decay_steps or decay_from is None:
         return tcfg.lr
-    t = min(1.0, (step - tcfg.warmup) / tcfg.decay_steps)
+    t = min(1.0, max(0, step - max(tcfg.warmup, decay_from)) / tcfg.decay_steps)
     return tcfg.min_lr + 0.5 * (tcfg.lr - tcfg.min_lr) * (1 + math.cos(math.pi * t))
 
 
@@ -195,11 +198,12 @@ def init_from(gm, path, cfgs):
     gm.load_state_dict(state)
 
 
-def save_checkpoint(path, gm, opt, step, best_em, cfgs, pairs, since_best=0):
+def save_checkpoint(path, gm, opt, step, best_em, cfgs, pairs, since_best=0, last_stage_from=0):
     """pairs: the number of pairs trained at (a curriculum stage below --pairs, or --pairs); since_best: evaluations
-    without a better EM (--patience counts on across --resume)."""
+    without a better EM (--patience counts on across --resume); last_stage_from: the step the curriculum's last stage
+    began (--decay_steps starts there)."""
     ckpt = {"model": gm.state_dict(), "optimizer": opt.state_dict(), "step": step, "best_em": best_em,
-            "since_best": since_best,
+            "since_best": since_best, "last_stage_from": last_stage_from,
             "pairs": pairs, "config": {k: asdict(c) for k, c in cfgs.items()}, "rng": torch.get_rng_state()}
     torch.save(ckpt, path + ".tmp")
     os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written checkpoint
@@ -392,7 +396,7 @@ def run(cfgs, argv):
         tcfg.grad_accum = auto_grad_accum(tcfg.batch_size, write_len, gcfg.K)
     gm = build(cfgs).to(device)
     opt = torch.optim.AdamW(gm.parameters(), lr=tcfg.lr, betas=(0.9, 0.999), weight_decay=tcfg.weight_decay)
-    ckpt_path, step, best_em, since_best = os.path.join(tcfg.out_dir, "ckpt.pt"), 0, -1.0, 0
+    ckpt_path, step, best_em, since_best, last_stage_from = os.path.join(tcfg.out_dir, "ckpt.pt"), 0, -1.0, 0, 0
     for old in (ckpt_path, os.path.join(tcfg.out_dir, "best.pt")):   # --init_from included: never overwrite a run
         if not tcfg.resume and not tcfg.bench and os.path.exists(old):
             raise RunError(f"{old} exists: pass --resume to continue that run, or choose another --out_dir")
@@ -402,6 +406,7 @@ def run(cfgs, argv):
         gm.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         step, best_em, since_best = ckpt["step"], ckpt["best_em"], ckpt.get("since_best", 0)
+        last_stage_from = ckpt.get("last_stage_from", 0)
         torch.set_rng_state(ckpt["rng"])
         best_path = os.path.join(tcfg.out_dir, "best.pt")  # saved just before ckpt.pt: a kill between the two leaves
         if os.path.exists(best_path):                      # it ahead; never overwrite it with a worse model
@@ -452,7 +457,7 @@ def run(cfgs, argv):
     t0, last = time.time(), None
     bar = tqdm(range(step, tcfg.max_steps), initial=step, total=tcfg.max_steps, dynamic_ncols=True, disable=None)
     for step in bar:
-        lr = lr_at(step, tcfg)
+        lr = lr_at(step, tcfg, last_stage_from if pairs == tcfg.pairs else None)
         for g in opt.param_groups:
             g["lr"] = lr
         logs = train_step(gm, opt, task, step, tcfg, device, autocast, graphed)
@@ -480,12 +485,12 @@ def run(cfgs, argv):
                 shutil.copyfile(os.path.join(tcfg.out_dir, "best.pt"), keep + ".tmp")   # until the next stage's
                 os.replace(keep + ".tmp", keep)                                         # first evaluation
                 pairs = stages[stages.index(pairs) + 1]
-                task, best_em, since_best = stage(pairs), -1.0, 0
+                task, best_em, since_best, last_stage_from = stage(pairs), -1.0, 0, done
                 graphed = None                        # free the old graph's memory pool before capturing anew
                 graphed = make_graphed(gm, task, tcfg, device, autocast)
                 log(dict(kind="stage", step=done, pairs=pairs, time=time.time() - t0))
                 tqdm.write(f"curriculum: {pairs} pairs from step {done}")
-            save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs, pairs, since_best)
+            save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs, pairs, since_best, last_stage_from)
             if last["pairs"] == tcfg.pairs and last["em"] >= tcfg.target_em:
                 tqdm.write(f"reached target EM {tcfg.target_em} at step {done} ({time.time() - t0:.0f} s)")
                 break
