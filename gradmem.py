@@ -32,6 +32,8 @@ class GradMemConfig:
     meta_grad: str = field(default="second", metadata={"choices": ["second", "first", "none"]})
     write_head: bool = field(default=True, metadata={"help": "separate WRITE head, init from the LM head (App. B)"})
     aux_write: float = field(default=0.5, metadata={"help": "weight of the auxiliary WRITE loss in the outer loss"})
+    rmt_rec: float = field(default=0.0, metadata={"help": "RMT only: weight of the reconstruction loss of C from each "
+                           "written memory M_1..M_K in the outer loss (the authors' RMT KV scripts: 1.0)"})
     memory: str = field(default="input", metadata={"choices": ["input", "kv"], "help": "M as m input vectors "
                         "(§2.2) or as m key/value slots in every layer (App. J)"})
     attn: str = field(default="hvp", metadata={"choices": ["hvp", "eager"],
@@ -44,8 +46,8 @@ class GradMemConfig:
             raise ValueError(f"--alpha (inner lr) must be finite and > 0, got {self.alpha}")
         if self.n_mem < 1:
             raise ValueError(f"--n_mem must be >= 1, got {self.n_mem}")
-        if not 0 <= self.aux_write < float("inf"):
-            raise ValueError(f"--aux_write must be finite and >= 0, got {self.aux_write}")
+        if not (0 <= self.aux_write < float("inf") and 0 <= self.rmt_rec < float("inf")):
+            raise ValueError(f"--aux_write and --rmt_rec must be finite and >= 0, got {self.aux_write}, {self.rmt_rec}")
         for f in fields(self):                      # choices: argparse checks the flags, this the Python API
             if "choices" in f.metadata and getattr(self, f.name) not in f.metadata["choices"]:
                 raise ValueError(f"{f.name} must be one of {f.metadata['choices']}, got {getattr(self, f.name)!r}")
@@ -93,7 +95,13 @@ def write_loss(model, head, mem, ctx, attn="sdpa"):
     else:
         x = model.embed(torch.cat([torch.full_like(ctx[:, :1], BOS), ctx[:, :-1]], dim=1))
         logits = head(model(x, attn, prefix=mem))
-    nll = F.cross_entropy(logits.flatten(0, 1), ctx.flatten(), reduction="none", ignore_index=PAD).view(B, T)
+    return context_nll(logits, ctx)
+
+
+def context_nll(logits, ctx):
+    """logits (B, T, V) for the tokens ctx (B, T) -> (per-sample mean NLL over non-pad tokens summed over the
+    batch, per-token NLL (B, T))."""
+    nll = F.cross_entropy(logits.flatten(0, 1), ctx.flatten(), reduction="none", ignore_index=PAD).view(ctx.shape)
     n_tok = (ctx != PAD).sum(1).clamp(min=1)
     return (nll.sum(1) / n_tok).sum(), nll
 

@@ -405,6 +405,33 @@ def test_rmt_memory_is_last_hidden_states():
     assert torch.equal(baselines.RMT(model, 3, 1).write_proj.weight, torch.eye(16))           # W starts at I
 
 
+def test_rmt_reconstruction_loss_matches_an_explicit_loop(tmp_path):
+    """--rmt_rec w (the authors' RMT recipe): loss = task + w * mean_k L_rec(M_k), k = 1..K, L_rec the token-mean
+    NLL of C given [M_k; C] through the WRITE head; written out here with F.cross_entropy's own 'mean'."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1))).double()
+    rmt = baselines.RMT(model, n_mem=3, K=2, rec=0.7).double().train()
+    assert torch.equal(rmt.write_head.weight, model.lm_head.weight) and rmt.write_head.weight is not model.lm_head.weight
+    with torch.no_grad():
+        rmt.write_head.weight.add_(0.1 * torch.randn_like(rmt.write_head.weight))   # a head of its own
+    b = tiny_batch()
+    ctx, T = b["ctx"], b["ctx"].size(1)
+    mem, recs = rmt.mem0.expand(2, -1, -1), []
+    for k in range(3):
+        h = model(torch.cat([mem, model.transformer.wte.weight[ctx], mem], 1), "eager")
+        if k > 0:                                                    # L_rec(M_k): [M_k; C] predicts t_1..t_T
+            recs.append(F.cross_entropy(rmt.write_head(h[:, 2:2 + T]).flatten(0, 1), ctx.flatten()))
+        mem = h[:, -3:] @ rmt.write_proj.weight.T + rmt.write_proj.bias
+    task, _ = read_loss(model, rmt.write(ctx, 2), b["q"], b["y"])
+    out = rmt(ctx, b["q"], b["y"])
+    assert torch.allclose(out["loss"], task + 0.7 * (recs[0] + recs[1]) / 2, atol=1e-12)
+    assert torch.allclose(out["task_loss"], task, atol=1e-12) and len(out["losses"]) == 2
+    rmt.eval()
+    assert torch.equal(rmt(ctx, b["q"], b["y"])["loss"], rmt(ctx, b["q"], b["y"])["task_loss"])   # training only
+    plain = baselines.RMT(model, n_mem=3, K=2).double()
+    assert not hasattr(plain, "write_head") and plain.train()(ctx, b["q"], b["y"])["losses"] == []
+
+
 def test_full_context_transformer_reads_the_context():
     torch.manual_seed(0)
     ft = baselines.FullContext(GPT(GPTConfig(**TINY)).double())
@@ -767,13 +794,30 @@ def test_plot_memsize_takes_each_runs_best_at_its_final_pairs(tmp_path):
     assert "no eval records at 8 pairs" in e.value.code
 
 
-@pytest.mark.parametrize("model", ["rmt", "armt", "transformer", "mamba", "ttt_linear", "lact", "gradmem --memory=kv"])
+@pytest.mark.parametrize("model", ["rmt", "rmt --rmt_rec=1", "armt", "transformer", "mamba", "ttt_linear", "lact",
+                                   "gradmem --memory=kv"])
 def test_baseline_train_then_eval_smoke(model, tmp_path):
     out = str(tmp_path / model.split()[0])
     flags = [f"--model={model.split()[0]}", *model.split()[1:]]
     last = train.main(SMALL + flags + ["--K=2", "--max_steps=2", f"--out_dir={out}"])
     res = eval_script.main([os.path.join(out, "best.pt"), "--K_eval", "2"])
     assert res[0]["em"] == pytest.approx(last["em"]) and res[0]["acc"] == pytest.approx(last["acc"])
+
+
+def test_rmt_init_from_a_run_without_the_reconstruction_head(tmp_path):
+    """--init_from across --rmt_rec: the new WRITE head starts from the loaded LM head; going back drops it."""
+    flags = SMALL + ["--model=rmt", "--K=1", "--max_steps=1"]
+    train.main(flags + [f"--out_dir={tmp_path}/a"])
+    seen = {}
+    load = baselines.RMT.load_state_dict
+    def spy(self, state, *a, **kw):
+        seen.update(state)
+        return load(self, state, *a, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(baselines.RMT, "load_state_dict", spy)
+        train.main(flags + ["--rmt_rec=1", f"--init_from={tmp_path}/a/best.pt", f"--out_dir={tmp_path}/b"])
+    assert torch.equal(seen["write_head.weight"], seen["model.lm_head.weight"])
+    train.main(flags + [f"--init_from={tmp_path}/b/best.pt", f"--out_dir={tmp_path}/c"])     # and back
 
 
 def test_by_pair_counts_answers_taken_from_another_pair():

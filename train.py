@@ -189,8 +189,13 @@ def init_from(gm, path, cfgs):
     saved = ckpt["config"]["train"].get("model", "gradmem")
     if saved != cfgs["train"].model:
         raise RunError(f"checkpoint {path} is a {saved} model, this run trains {cfgs['train'].model}")
-    check_match(path, ckpt["config"], cfgs, ["gradmem"], skip=RESUMABLE | {"K", "alpha", "meta_grad", "aux_write", "n_mem"})
+    check_match(path, ckpt["config"], cfgs, ["gradmem"], skip=RESUMABLE | {"K", "alpha", "meta_grad", "aux_write", "n_mem", "rmt_rec"})
     state = ckpt["model"]
+    own = gm.state_dict()
+    if isinstance(gm, RMT) and ("write_head.weight" in own) != ("write_head.weight" in state):   # --rmt_rec changed
+        state.pop("write_head.weight", None)
+        if "write_head.weight" in own:                               # the new head starts from the loaded LM head
+            state["write_head.weight"] = state["model.lm_head.weight"].clone()
     if "mem0" in state:                           # (m, C), or (n_layer, 2, m, C) for --memory kv: m is dim -2
         if state["mem0"].size(-2) < gm.mem0.size(-2):
             raise RunError(f"checkpoint {path} has n_mem={state['mem0'].size(-2)}, fewer than this run's {gm.mem0.size(-2)}")
@@ -214,7 +219,7 @@ def build(cfgs):
     mcfg, gcfg, kind = cfgs["model"], cfgs["gradmem"], cfgs["train"].model
     mcfg.vocab_size = len(VOCAB)
     if kind == "rmt":
-        return RMT(GPT(mcfg), gcfg.n_mem, gcfg.K)
+        return RMT(GPT(mcfg), gcfg.n_mem, gcfg.K, gcfg.rmt_rec)
     if kind == "armt":
         return ARMT(GPT(mcfg), gcfg.n_mem)
     if kind == "transformer":
