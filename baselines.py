@@ -5,7 +5,7 @@ RMT, Recurrent Memory Transformer (Bulatov et al., NeurIPS 2022), two segments a
     H      = f_theta([M_k; C; M_k])            the memory tokens are read at the start and written at the end
     M_{k+1} = W H[-m:]                          the last m hidden states, through a Linear W initialised to identity
 K > 1 re-reads the context K times ("x2 ... x5 memory updates" rows of Table 1). READ is GradMem's: [M_K; Q; Y].
-With --rmt_rec w > 0 (the authors' RMT KV scripts use w = 1; the paper's text does not mention it) training adds
+With --rmt_rec w > 0 (the authors' current RMT KV script uses w = 1; the paper's text does not mention it) training adds
     w * mean_{k=1..K} L_rec(M_k),   L_rec(M; C) = - sum_i log h(t_i | [M; t_<i])   (GradMem's Eq. (4) form)
 to the task loss, through a separate head h initialised from the LM head; L_rec(M_k) is read off the pass that
 writes M_{k+1}, and one more pass over [M_K; C] gives L_rec(M_K).
