@@ -46,7 +46,7 @@ def block_rows(N, T, cuda):
 
 
 def _blocks(x):
-    """Equal row blocks of x (B*nh, T, hs) (T = 257 in blocks of <= 128 rows: 129 and 128, not 128, 128 and 1)."""
+    """Near-equal row blocks of x (B*nh, T, hs): T = 257 with 128 rows per block gives 85, 86, 86, not 128, 128, 1."""
     N, T = x.shape[:2]
     n = -(-T // block_rows(N, T, x.is_cuda))
     edges = [T * i // n for i in range(n + 1)]

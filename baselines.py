@@ -5,10 +5,13 @@ RMT, Recurrent Memory Transformer (Bulatov et al., NeurIPS 2022), two segments a
     H      = f_theta([M_k; C; M_k])            the memory tokens are read at the start and written at the end
     M_{k+1} = W H[-m:]                          the last m hidden states, through a Linear W initialised to identity
 K > 1 re-reads the context K times ("x2 ... x5 memory updates" rows of Table 1). READ is GradMem's: [M_K; Q; Y].
-With --rmt_rec w > 0 (the authors' current RMT KV script uses w = 1; the paper's text does not mention it) training adds
-    w * mean_{k=1..K} L_rec(M_k),   L_rec(M; C) = - sum_i log h(t_i | [M; t_<i])   (GradMem's Eq. (4) form)
-to the task loss, through a separate head h initialised from the LM head; L_rec(M_k) is read off the pass that
-writes M_{k+1}, and one more pass over [M_K; C] gives L_rec(M_K).
+With --rmt_rec w > 0 (the authors' RMT KV script at commit 2bc0b12 uses w = 1; the paper's text does not mention it)
+training adds w * mean_{k=1..K} L_rec(M_k) to the task loss, with
+    L_rec(M; C) = -(1/T) sum_i log h(t_i | [M; t_<i])     (GradMem's Eq. (4), token mean, through a head h)
+h is a reconstruction head initialised from the LM head (or the LM head itself with --no-write_head). L_rec(M_k)
+for k < K is read off the pass that writes M_{k+1}; one more pass over [M_K; C] gives L_rec(M_K). Unlike the authors'
+"proj_rw" variant (a Linear on the memory going into each write pass, another one on the memory READ takes), one W
+here feeds both READ and the next pass, so L_rec constrains the memory READ sees.
 
 Full-context transformer (the upper bound of Table 1): the same model on [C; Q; Y]; its "memory" is the KV cache.
 
@@ -53,7 +56,7 @@ class RMT(nn.Module):
     """RMT (Bulatov et al., NeurIPS 2022), two segments: forward-only WRITE M_{k+1} = W f([M_k; C; M_k])[-m:],
     K times; READ [M_K; Q; Y] as GradMem's (module docstring)."""
 
-    def __init__(self, model, n_mem, K, rec=0.0):
+    def __init__(self, model, n_mem, K, rec=0.0, rec_head=True):
         super().__init__()
         self.model, self.K, self.rec = model, K, rec
         d = model.config.n_embd
@@ -61,24 +64,27 @@ class RMT(nn.Module):
         self.write_proj = nn.Linear(d, d)                       # W, initialised to identity (authors' code)
         nn.init.eye_(self.write_proj.weight)
         nn.init.zeros_(self.write_proj.bias)
-        if rec > 0:                                             # the reconstruction head h, from the LM head
-            self.write_head = nn.Linear(d, model.config.vocab_size, bias=False)
-            self.write_head.weight.data.copy_(model.lm_head.weight.data)
+        self.rec_head = None                                    # h of L_rec: its own copy of the LM head
+        if rec > 0 and rec_head:
+            self.rec_head = nn.Linear(d, model.config.vocab_size, bias=False)
+            self.rec_head.weight.data.copy_(model.lm_head.weight.data)
 
     def memory_floats(self, ctx_len):
         return self.mem0.numel()
 
     def write(self, ctx, K, rec=False):
-        """K forward-only memory updates M_{k+1} = W f([M_k; C; M_k])[-m:]. rec=True: also L_rec(M_k) for
-        k = 1..K (each summed over the batch), returned as (M_K, [L_rec(M_1), ..., L_rec(M_K)])."""
+        """K forward-only memory updates M_{k+1} = W f([M_k; C; M_k])[-m:]. Returns M_K, or with rec=True
+        (M_K, [L_rec(M_1), ..., L_rec(M_K)]), each L_rec summed over the batch."""
         m, T = self.mem0.size(0), ctx.size(1)
+        head = self.rec_head or self.model.lm_head
         mem = self.mem0.expand(ctx.size(0), -1, -1)
         emb = self.model.embed(ctx)
         losses = []
-        for k in range(K + rec):                                # with rec, one more pass for L_rec(M_K)
-            h = self.model(torch.cat([mem, emb] + [mem] * (k < K), dim=1))   # (B, m + T (+ m), C)
-            if rec and k > 0:                                   # position m - 1 + i predicts t_{i+1}
-                losses.append(context_nll(self.write_head(h[:, m - 1:m - 1 + T]), ctx)[0])
+        for k in range(K + 1 if rec else K):                    # with rec, one more pass for L_rec(M_K)
+            x = [mem, emb, mem] if k < K else [mem, emb]        # the extra pass needs no write tokens
+            h = self.model(torch.cat(x, dim=1))                 # (B, m + T (+ m), C)
+            if k > 0 and rec:                                   # L_rec(M_k): position m - 1 + i predicts t_{i+1}
+                losses.append(context_nll(head(h[:, m - 1:m - 1 + T]), ctx)[0])
             if k < K:
                 mem = self.write_proj(h[:, -m:])
         return (mem, losses) if rec else mem
@@ -89,7 +95,7 @@ class RMT(nn.Module):
         mem, losses = self.write(ctx, K, rec=True) if rec else (self.write(ctx, K), [])
         task_loss, logits = read_loss(self.model, mem, q, y)
         out = outputs(task_loss, logits, mem)
-        if losses:                                              # the mean over k of L_rec(M_k), batch mean
+        if losses:                                              # logged write_loss: L_rec(M_1), as GradMem's L(M_0)
             out.update(loss=task_loss + self.rec * torch.stack(losses).mean() / ctx.size(0), losses=losses)
         return out
 

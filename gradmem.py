@@ -33,7 +33,7 @@ class GradMemConfig:
     write_head: bool = field(default=True, metadata={"help": "separate WRITE head, init from the LM head (App. B)"})
     aux_write: float = field(default=0.5, metadata={"help": "weight of the auxiliary WRITE loss in the outer loss"})
     rmt_rec: float = field(default=0.0, metadata={"help": "RMT only: weight of the reconstruction loss of C from each "
-                           "written memory M_1..M_K in the outer loss (the authors' current RMT KV script: 1.0)"})
+                           "written memory M_1..M_K in the outer loss (the authors' RMT KV script at 2bc0b12: 1.0)"})
     memory: str = field(default="input", metadata={"choices": ["input", "kv"], "help": "M as m input vectors "
                         "(§2.2) or as m key/value slots in every layer (App. J)"})
     attn: str = field(default="hvp", metadata={"choices": ["hvp", "eager"],

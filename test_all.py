@@ -156,6 +156,10 @@ def test_attention_hvp_blocks_cover_the_rows_in_near_equal_parts():
     assert attention_hvp.block_rows(32, 2048, cuda=True) == 512
     assert attention_hvp.block_rows(32, 121, cuda=True) == 2 ** 25 // (32 * 121)
     assert attention_hvp.block_rows(4096, 4096, cuda=True) == 128      # never below the CPU's size
+    with pytest.MonkeyPatch.context() as mp:                            # BLOCK_FIXED overrides both
+        mp.setattr(attention_hvp, "BLOCK_FIXED", 3)
+        assert attention_hvp._blocks(torch.empty(1, 7, 1)) == [(0, 2), (2, 4), (4, 7)]
+        assert attention_hvp.block_rows(32, 1024, cuda=True) == 3
     for T in (1, 127, 128, 129, 257, 1000):
         b = attention_hvp._blocks(torch.empty(2, T, 4))
         sizes = [i1 - i0 for i0, i1 in b]
@@ -405,22 +409,24 @@ def test_rmt_memory_is_last_hidden_states():
     assert torch.equal(baselines.RMT(model, 3, 1).write_proj.weight, torch.eye(16))           # W starts at I
 
 
-def test_rmt_reconstruction_loss_matches_an_explicit_loop(tmp_path):
+def test_rmt_reconstruction_loss_matches_an_explicit_loop():
     """--rmt_rec w (the authors' RMT recipe): loss = task + w * mean_k L_rec(M_k), k = 1..K, L_rec the token-mean
     NLL of C given [M_k; C] through the WRITE head; written out here with F.cross_entropy's own 'mean'."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**dict(TINY, n_layer=1))).double()
     rmt = baselines.RMT(model, n_mem=3, K=2, rec=0.7).double().train()
-    assert torch.equal(rmt.write_head.weight, model.lm_head.weight) and rmt.write_head.weight is not model.lm_head.weight
+    assert torch.equal(rmt.rec_head.weight, model.lm_head.weight) and rmt.rec_head.weight is not model.lm_head.weight
     with torch.no_grad():
-        rmt.write_head.weight.add_(0.1 * torch.randn_like(rmt.write_head.weight))   # a head of its own
+        rmt.rec_head.weight.add_(0.1 * torch.randn_like(rmt.rec_head.weight))         # a head of its own
+        rmt.write_proj.weight.add_(0.1 * torch.randn(16, 16, dtype=torch.float64))    # and W not the identity
+        rmt.write_proj.bias.add_(0.1)
     b = tiny_batch()
     ctx, T = b["ctx"], b["ctx"].size(1)
     mem, recs = rmt.mem0.expand(2, -1, -1), []
     for k in range(3):
         h = model(torch.cat([mem, model.transformer.wte.weight[ctx], mem], 1), "eager")
         if k > 0:                                                    # L_rec(M_k): [M_k; C] predicts t_1..t_T
-            recs.append(F.cross_entropy(rmt.write_head(h[:, 2:2 + T]).flatten(0, 1), ctx.flatten()))
+            recs.append(F.cross_entropy(rmt.rec_head(h[:, 2:2 + T]).flatten(0, 1), ctx.flatten()))
         mem = h[:, -3:] @ rmt.write_proj.weight.T + rmt.write_proj.bias
     task, _ = read_loss(model, rmt.write(ctx, 2), b["q"], b["y"])
     out = rmt(ctx, b["q"], b["y"])
@@ -429,7 +435,11 @@ def test_rmt_reconstruction_loss_matches_an_explicit_loop(tmp_path):
     rmt.eval()
     assert torch.equal(rmt(ctx, b["q"], b["y"])["loss"], rmt(ctx, b["q"], b["y"])["task_loss"])   # training only
     plain = baselines.RMT(model, n_mem=3, K=2).double()
-    assert not hasattr(plain, "write_head") and plain.train()(ctx, b["q"], b["y"])["losses"] == []
+    assert plain.rec_head is None and plain.train()(ctx, b["q"], b["y"])["losses"] == []
+    lm = baselines.RMT(model, n_mem=3, K=1, rec=1.0, rec_head=False).double().train()   # --no-write_head: the LM head
+    h = model(torch.cat([lm.write(ctx, 1), model.transformer.wte.weight[ctx]], 1), "eager")
+    rec = F.cross_entropy(model.lm_head(h[:, 2:2 + T]).flatten(0, 1), ctx.flatten())
+    assert torch.allclose(lm(ctx, b["q"], b["y"])["loss"], read_loss(model, lm.write(ctx, 1), b["q"], b["y"])[0] + rec)
 
 
 def test_full_context_transformer_reads_the_context():
@@ -804,6 +814,12 @@ def test_baseline_train_then_eval_smoke(model, tmp_path):
     assert res[0]["em"] == pytest.approx(last["em"]) and res[0]["acc"] == pytest.approx(last["acc"])
 
 
+def test_rmt_rec_is_refused_for_other_models(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        train.main(SMALL + ["--model=transformer", "--rmt_rec=1", f"--out_dir={tmp_path}"])
+    assert "--rmt_rec is RMT's reconstruction loss" in str(e.value.code)
+
+
 def test_rmt_init_from_a_run_without_the_reconstruction_head(tmp_path):
     """--init_from across --rmt_rec: the new WRITE head starts from the loaded LM head; going back drops it."""
     flags = SMALL + ["--model=rmt", "--K=1", "--max_steps=1"]
@@ -816,7 +832,7 @@ def test_rmt_init_from_a_run_without_the_reconstruction_head(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(baselines.RMT, "load_state_dict", spy)
         train.main(flags + ["--rmt_rec=1", f"--init_from={tmp_path}/a/best.pt", f"--out_dir={tmp_path}/b"])
-    assert torch.equal(seen["write_head.weight"], seen["model.lm_head.weight"])
+    assert torch.equal(seen["rec_head.weight"], seen["model.lm_head.weight"])
     train.main(flags + [f"--init_from={tmp_path}/b/best.pt", f"--out_dir={tmp_path}/c"])     # and back
 
 
@@ -993,11 +1009,11 @@ def test_bench_and_profile(capsys):
     assert "aten::mm" in capsys.readouterr().out                            # the profiler's per-op table
 
 
-@pytest.mark.parametrize("model", ["gradmem", "rmt"])
+@pytest.mark.parametrize("model", ["gradmem", "rmt", "rmt --rmt_rec=1", "transformer"])
 def test_graphed_step_plumbing_equals_eager_step(model):
     """--cuda_graph's static buffers, per-parameter gradient outputs and accumulation into .grad (run eagerly here:
     capture needs CUDA) give the same optimizer step as the plain backward, over 2 micro-batches."""
-    cfgs = train.parse_args(SMALL + ["--K=2", "--grad_accum=2", f"--model={model}"])
+    cfgs = train.parse_args(SMALL + ["--K=2", "--grad_accum=2", *f"--model={model}".split()])
     task = data.KVTask(2, 0, 12345, 32)
     params = []
     for use_graph in (False, True):
@@ -1041,7 +1057,8 @@ def test_lr_schedule_warmup_then_cosine():
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[110] == lrs[199] == pytest.approx(1e-4)
     assert train.lr_at(10_000, train.TrainConfig(lr=1e-3, warmup=10)) == 1e-3          # no --decay_steps: constant
     assert train.lr_at(60, t, decay_from=50) == pytest.approx(1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * 0.1)))
-    assert train.lr_at(49, t, decay_from=50) == train.lr_at(199, t, decay_from=None) == 1e-3   # before the last stage
+    assert train.lr_at(49, t, decay_from=50) == 1e-3                                   # the last stage begins at 50
+    assert train.lr_at(199, t, decay_from=None) == 1e-3                                # before the last stage
 
 
 def test_curriculum_decays_the_lr_from_its_last_stage_across_resume(tmp_path, monkeypatch):

@@ -192,10 +192,10 @@ def init_from(gm, path, cfgs):
     check_match(path, ckpt["config"], cfgs, ["gradmem"], skip=RESUMABLE | {"K", "alpha", "meta_grad", "aux_write", "n_mem", "rmt_rec"})
     state = ckpt["model"]
     own = gm.state_dict()
-    if isinstance(gm, RMT) and ("write_head.weight" in own) != ("write_head.weight" in state):   # --rmt_rec changed
-        state.pop("write_head.weight", None)
-        if "write_head.weight" in own:                               # the new head starts from the loaded LM head
-            state["write_head.weight"] = state["model.lm_head.weight"].clone()
+    if isinstance(gm, RMT) and ("rec_head.weight" in own) != ("rec_head.weight" in state):   # --rmt_rec changed
+        state.pop("rec_head.weight", None)
+        if "rec_head.weight" in own:                                 # the new head starts from the loaded LM head
+            state["rec_head.weight"] = state["model.lm_head.weight"].clone()
     if "mem0" in state:                           # (m, C), or (n_layer, 2, m, C) for --memory kv: m is dim -2
         if state["mem0"].size(-2) < gm.mem0.size(-2):
             raise RunError(f"checkpoint {path} has n_mem={state['mem0'].size(-2)}, fewer than this run's {gm.mem0.size(-2)}")
@@ -219,7 +219,7 @@ def build(cfgs):
     mcfg, gcfg, kind = cfgs["model"], cfgs["gradmem"], cfgs["train"].model
     mcfg.vocab_size = len(VOCAB)
     if kind == "rmt":
-        return RMT(GPT(mcfg), gcfg.n_mem, gcfg.K, gcfg.rmt_rec)
+        return RMT(GPT(mcfg), gcfg.n_mem, gcfg.K, gcfg.rmt_rec, gcfg.write_head)
     if kind == "armt":
         return ARMT(GPT(mcfg), gcfg.n_mem)
     if kind == "transformer":
@@ -374,6 +374,8 @@ def run(cfgs, argv):
         raise RunError("--device cuda but no CUDA device is available")
     if device == "cpu" and tcfg.dtype == "bfloat16":
         raise RunError("--dtype bfloat16 is CUDA autocast; this run is on CPU, where it trains in float32: drop the flag")
+    if gcfg.rmt_rec and tcfg.model != "rmt":
+        raise RunError(f"--rmt_rec is RMT's reconstruction loss; this run trains --model {tcfg.model}")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not tcfg.cuda_graph)  # no cast cache in a graph
                 if device == "cuda" and tcfg.dtype == "bfloat16" else nullcontext())
     torch.manual_seed(tcfg.seed)
