@@ -40,13 +40,15 @@ class TrainConfig:
     batch_size: int = field(default=64, metadata={"help": "effective batch (split over --grad_accum)"})
     grad_accum: int = field(default=0, metadata={"help": "micro-batches per step; 0: auto, each WRITE micro-batch "
                                                          "holds at most TOKEN_STEPS tokens x K"})
-    lr: float = field(default=1e-3, metadata={"help": "AdamW peak lr (paper: 1e-4, see README deviations)"})
+    lr: float = field(default=3e-4, metadata={"help": "AdamW peak lr (paper: 1e-4; 1e-3 before session 10, see README "
+                                                      "deviations)"})
     warmup: int = field(default=200, metadata={"help": "linear warmup steps"})
     decay_steps: int = field(default=0, metadata={"help": "cosine decay to --min_lr over this many steps after warmup "
                                                            "(with the curriculum: from the start of its last stage), "
                                                            "then --min_lr (0: constant lr after warmup)"})
     min_lr: float = 0.0
-    weight_decay: float = 0.01
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (the authors': 0; 0.01 before "
+                                                               "session 10)"})
     grad_clip: float = 1.0
     max_steps: int = 20000
     eval_interval: int = 250
