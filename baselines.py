@@ -24,6 +24,9 @@ to the context, [C; M], and read by every token of [Q; Y] before that layer:
             (gamma is a constant in backprop, a stop-gradient)
     read    q = phi(W_q h),  h <- h + A^T q / (z . q)
 with d_mem = 64 (d_key = 2 * 64 * nu), nu = 3, as in the paper's KV runs.
+With --segment L the context is written L tokens at a time, [C_1; M], [C_2; M], ... (positions from 0 in each): from
+the second segment on, every layer reads its memory into its input before the block, as [Q; Y] does, and writes
+after it. The paper's text uses one context segment; the authors' ARMT KV script, one 7-token pair per segment.
 
 Mamba (Gu & Dao 2023; the SSD layer of Mamba-2, Dao & Gu, ICML 2024), reading [C; Q; Y] with a per-layer state.
 Per head h (scalar decay A_h < 0), state H_t in R^{P x N}, input x_t in R^P, B_t, C_t in R^N, step dt_t > 0:
@@ -160,12 +163,15 @@ class AssociativeMemory(nn.Module):
 
 
 class ARMT(nn.Module):
-    """ARMT (Rodkin et al., 2024), two segments: segment 1 [C; M] writes every layer's AssociativeMemory from its
-    memory-token outputs (delta rule, module docstring); segment 2 [Q; Y] reads it in every layer."""
+    """ARMT (Rodkin et al., 2024): the context is written segment by segment, [C_s; M] for s = 1 .. S, each layer
+    reading its AssociativeMemory into its input (from the second segment on) and then writing its memory-token
+    outputs into it (delta rule, module docstring); [Q; Y] reads it in every layer. segment = 0: the whole context is
+    one segment, the paper's two-segment setup (§3.2); segment = 7 at KV: one pair per segment, as the authors'
+    ARMT KV script runs it. Every segment starts from the same learned memory tokens M and from position 0."""
 
-    def __init__(self, model, n_mem, d_mem=64, nu=3):
+    def __init__(self, model, n_mem, d_mem=64, nu=3, segment=0):
         super().__init__()
-        self.model = model
+        self.model, self.segment = model, segment
         d = model.config.n_embd
         self.mem0 = nn.Parameter(0.02 * torch.randn(n_mem, d))
         self.assoc = nn.ModuleList([AssociativeMemory(d, d_mem, nu) for _ in range(model.config.n_layer)])
@@ -174,15 +180,20 @@ class ARMT(nn.Module):
         return sum(a.d_key * (self.model.config.n_embd + 1) for a in self.assoc)
 
     def write(self, ctx):
-        """Segment 1, [C; M]: each layer writes its memory-token outputs into its associative memory."""
-        m, state = self.mem0.size(0), [None] * len(self.assoc)
+        """[C_s; M] for each context segment in turn. Returns every layer's (A, z)."""
+        m, T = self.mem0.size(0), ctx.size(1)
+        state = [None] * len(self.assoc)
 
         def wrap(i, block, x, rope, attn):
+            if state[i] is not None:                            # what earlier segments wrote, read before block i
+                x = x + self.assoc[i].read(x, *state[i])
             out = block(x, rope, attn)
-            state[i] = self.assoc[i].write(out[:, -m:])
+            state[i] = self.assoc[i].write(out[:, -m:], *(state[i] or ()))
             return out
 
-        self.model(torch.cat([self.model.embed(ctx), self.mem0.expand(ctx.size(0), -1, -1)], dim=1), wrap=wrap)
+        mem = self.mem0.expand(ctx.size(0), -1, -1)
+        for s in range(0, T, self.segment or T):
+            self.model(torch.cat([self.model.embed(ctx[:, s:s + (self.segment or T)]), mem], dim=1), wrap=wrap)
         return state
 
     def forward(self, ctx, q, y, K=None):

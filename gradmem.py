@@ -34,6 +34,9 @@ class GradMemConfig:
     aux_write: float = field(default=0.5, metadata={"help": "weight of the auxiliary WRITE loss in the outer loss"})
     rmt_rec: float = field(default=0.0, metadata={"help": "RMT only: weight of the reconstruction loss of C from each "
                            "written memory M_1..M_K in the outer loss (the authors' RMT KV script at 2bc0b12: 1.0)"})
+    segment: int = field(default=0, metadata={"help": "ARMT only: context tokens per WRITE segment; 0: the whole "
+                         "context as one (the paper's two-segment setup, §3.2); 7: one KV pair per segment (the "
+                         "authors' ARMT KV script)"})
     memory: str = field(default="input", metadata={"choices": ["input", "kv"], "help": "M as m input vectors "
                         "(§2.2) or as m key/value slots in every layer (App. J)"})
     attn: str = field(default="hvp", metadata={"choices": ["hvp", "eager"],
@@ -44,8 +47,8 @@ class GradMemConfig:
             raise ValueError(f"--K must be >= 0 and --K_eval >= 0 (or -1), got K={self.K}, K_eval={self.K_eval}")
         if not 0 < self.alpha < float("inf"):
             raise ValueError(f"--alpha (inner lr) must be finite and > 0, got {self.alpha}")
-        if self.n_mem < 1:
-            raise ValueError(f"--n_mem must be >= 1, got {self.n_mem}")
+        if self.n_mem < 1 or self.segment < 0:
+            raise ValueError(f"--n_mem must be >= 1 and --segment >= 0, got {self.n_mem}, {self.segment}")
         if not (0 <= self.aux_write < float("inf") and 0 <= self.rmt_rec < float("inf")):
             raise ValueError(f"--aux_write and --rmt_rec must be finite and >= 0, got {self.aux_write}, {self.rmt_rec}")
         for f in fields(self):                      # choices: argparse checks the flags, this the Python API

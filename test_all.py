@@ -638,22 +638,29 @@ def test_lact_applies_each_chunks_fast_weights_before_updating_them():
     assert torch.allclose(lact(x), local + fast, atol=1e-10)
 
 
-def test_armt_writes_from_segment_one_and_reads_before_every_layer():
-    """ARMT's two segments (docstring): [C; M] through the blocks, layer i's memory written from its output at
-    the m memory tokens; then [Q; Y] with layer i's memory read into the input of block i. Explicit block loop."""
+@pytest.mark.parametrize("segment", [0, 4, 100])
+def test_armt_writes_segment_by_segment_and_reads_before_every_layer(segment):
+    """ARMT (docstring): [C_s; M] for each context segment through the blocks, layer i reading its memory into its
+    input from the second segment on and writing it from its output at the m memory tokens; then [Q; Y] with layer
+    i's memory read into the input of block i. Explicit block loop; segment 0 and 100 (> T): one segment."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY)).double()
-    armt = baselines.ARMT(model, n_mem=3, d_mem=4, nu=2).double()
+    armt = baselines.ARMT(model, n_mem=3, d_mem=4, nu=2, segment=segment).double()
     for a in armt.assoc:
         torch.nn.init.normal_(a.W_v.weight, std=0.5)                               # reads add something
     b = tiny_batch()
-    inv, blocks = model.rope_inv_freq, model.transformer.h
-    x = torch.cat([model.transformer.wte.weight[b["ctx"]], armt.mem0.expand(2, -1, -1)], 1)
-    rope, state = rope_tables(inv, torch.arange(x.size(1)), x.dtype), []
-    for i, blk in enumerate(blocks):
-        x = blk(x, rope, "eager")
-        state.append(armt.assoc[i].write(x[:, -3:]))
-    h = model.transformer.wte.weight[torch.cat([b["q"], b["y"][:, :-1]], 1)]
+    inv, blocks, wte, T = model.rope_inv_freq, model.transformer.h, model.transformer.wte.weight, b["ctx"].size(1)
+    L = segment or T
+    state = [None] * len(blocks)
+    for s in range(0, T, L):
+        x = torch.cat([wte[b["ctx"][:, s:s + L]], armt.mem0.expand(2, -1, -1)], 1)
+        rope = rope_tables(inv, torch.arange(x.size(1)), x.dtype)
+        for i, blk in enumerate(blocks):
+            if state[i] is not None:
+                x = x + armt.assoc[i].read(x, *state[i])
+            x = blk(x, rope, "eager")
+            state[i] = armt.assoc[i].write(x[:, -3:]) if state[i] is None else armt.assoc[i].write(x[:, -3:], *state[i])
+    h = wte[torch.cat([b["q"], b["y"][:, :-1]], 1)]
     rope = rope_tables(inv, torch.arange(h.size(1)), h.dtype)
     for i, blk in enumerate(blocks):
         h = blk(h + armt.assoc[i].read(h, *state[i]), rope, "eager")
@@ -662,6 +669,9 @@ def test_armt_writes_from_segment_one_and_reads_before_every_layer():
     assert torch.allclose(got, want, atol=1e-10)
     other = tiny_batch(seed=1)["ctx"]                                               # the answer depends on C
     assert not torch.allclose(armt(other, b["q"], b["y"])["logits"], got, atol=1e-6)
+    if segment == 4:                                                                # and on how C is cut
+        armt.segment = 0
+        assert not torch.allclose(armt(b["ctx"], b["q"], b["y"])["logits"], got, atol=1e-6)
 
 
 def test_mamba_chunked_scan_equals_sequential_recurrence():
@@ -804,7 +814,7 @@ def test_plot_memsize_takes_each_runs_best_at_its_final_pairs(tmp_path):
     assert "no eval records at 8 pairs" in e.value.code
 
 
-@pytest.mark.parametrize("model", ["rmt", "rmt --rmt_rec=1", "armt", "transformer", "mamba", "ttt_linear", "lact",
+@pytest.mark.parametrize("model", ["rmt", "rmt --rmt_rec=1", "armt", "armt --segment=7", "transformer", "mamba", "ttt_linear", "lact",
                                    "gradmem --memory=kv"])
 def test_baseline_train_then_eval_smoke(model, tmp_path):
     out = str(tmp_path / model.split()[0])
@@ -814,10 +824,13 @@ def test_baseline_train_then_eval_smoke(model, tmp_path):
     assert res[0]["em"] == pytest.approx(last["em"]) and res[0]["acc"] == pytest.approx(last["acc"])
 
 
-def test_rmt_rec_is_refused_for_other_models(tmp_path):
+@pytest.mark.parametrize("flag,msg", [("--rmt_rec=1", "--rmt_rec is RMT's reconstruction loss"),
+                                      ("--segment=7", "--segment splits ARMT's WRITE"),
+                                      ("--segment=-1", "--segment >= 0")])
+def test_baseline_only_flags_are_refused_for_other_models(flag, msg, tmp_path):
     with pytest.raises(SystemExit) as e:
-        train.main(SMALL + ["--model=transformer", "--rmt_rec=1", f"--out_dir={tmp_path}"])
-    assert "--rmt_rec is RMT's reconstruction loss" in str(e.value.code)
+        train.main(SMALL + ["--model=transformer", flag, f"--out_dir={tmp_path}"])
+    assert msg in str(e.value.code) and not os.listdir(tmp_path)
 
 
 def test_rmt_init_from_a_run_without_the_reconstruction_head(tmp_path):

@@ -191,7 +191,7 @@ def init_from(gm, path, cfgs):
     saved = ckpt["config"]["train"].get("model", "gradmem")
     if saved != cfgs["train"].model:
         raise RunError(f"checkpoint {path} is a {saved} model, this run trains {cfgs['train'].model}")
-    check_match(path, ckpt["config"], cfgs, ["gradmem"], skip=RESUMABLE | {"K", "alpha", "meta_grad", "aux_write", "n_mem", "rmt_rec"})
+    check_match(path, ckpt["config"], cfgs, ["gradmem"], skip=RESUMABLE | {"K", "alpha", "meta_grad", "aux_write", "n_mem", "rmt_rec", "segment"})
     state = ckpt["model"]
     own = gm.state_dict()
     if isinstance(gm, RMT) and ("rec_head.weight" in own) != ("rec_head.weight" in state):   # --rmt_rec changed
@@ -223,7 +223,7 @@ def build(cfgs):
     if kind == "rmt":
         return RMT(GPT(mcfg), gcfg.n_mem, gcfg.K, gcfg.rmt_rec, gcfg.write_head)
     if kind == "armt":
-        return ARMT(GPT(mcfg), gcfg.n_mem)
+        return ARMT(GPT(mcfg), gcfg.n_mem, segment=gcfg.segment)
     if kind == "transformer":
         return FullContext(GPT(mcfg))
     if kind == "mamba":
@@ -378,6 +378,8 @@ def run(cfgs, argv):
         raise RunError("--dtype bfloat16 is CUDA autocast; this run is on CPU, where it trains in float32: drop the flag")
     if gcfg.rmt_rec and tcfg.model != "rmt":
         raise RunError(f"--rmt_rec is RMT's reconstruction loss; this run trains --model {tcfg.model}")
+    if gcfg.segment and tcfg.model != "armt":
+        raise RunError(f"--segment splits ARMT's WRITE into segments; this run trains --model {tcfg.model}")
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not tcfg.cuda_graph)  # no cast cache in a graph
                 if device == "cuda" and tcfg.dtype == "bfloat16" else nullcontext())
     torch.manual_seed(tcfg.seed)
