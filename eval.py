@@ -45,7 +45,7 @@ def evaluate_baseline(gm, task, K_list, device, batch_size=250):
         for b in task.eval_batches(batch_size, device):
             logits = gm(b["ctx"], b["q"], b["y"], K=K)["logits"]
             e, a = score(logits, b["y"], b["y_mask"])
-            em, acc = em + e * len(b["y"]), acc + a * len(b["y"])
+            em, acc = em + round(e * len(b["y"])), acc + a * len(b["y"])    # round: exact-match count
             by_pair.add(logits, b)
         res.append(dict(K_eval=K, em=em / len(task.eval[0]), acc=acc / len(task.eval[0]), **by_pair.result()))
     return res
@@ -103,7 +103,7 @@ def evaluate_ks(gm, task, K_list, device, batch_size=250):
             em, acc = score(logits, b["y"], b["y_mask"])
             by_pair[k].add(logits, b)
             s = sums[k]
-            s["em"] += em * B
+            s["em"] += round(em * B)                                            # exact-match count
             s["acc"] += acc * B
             for name, sel in (("all", None), ("key", KEY), ("value", VALUE), ("sep", SEP)):
                 tok = nll if sel is None else nll[:, kinds == sel]

@@ -1022,6 +1022,23 @@ def test_bench_and_profile(capsys):
     assert "aten::mm" in capsys.readouterr().out                            # the profiler's per-op table
 
 
+def test_evaluate_counts_exact_matches_exactly():
+    """998 of 1,000 held-out answers right must log EM 0.998 exactly, so that --target_em 0.998 stops the run
+    (summing float32 batch means times the batch size gave 0.99799999...)."""
+    class Oracle(torch.nn.Module):                  # right everywhere but at two held-out samples
+        seen = 0
+
+        def forward(self, ctx, q, y, K=None):
+            logits = F.one_hot(y, len(data.VOCAB)).float()
+            for i in {0, 500} & set(range(self.seen, self.seen + len(y))):
+                logits[i - self.seen, 0] = logits[i - self.seen, 0].roll(1)
+            self.seen += len(y)
+            return dict(logits=logits, losses=[])
+
+    task = data.KVTask(8, 0, 12345, 1000)
+    assert train.evaluate(Oracle(), task, 1, "cpu")["em"] == 0.998
+
+
 @pytest.mark.parametrize("model", ["gradmem", "rmt", "rmt --rmt_rec=1", "transformer"])
 def test_graphed_step_plumbing_equals_eager_step(model):
     """--cuda_graph's static buffers, per-parameter gradient outputs and accumulation into .grad (run eagerly here:

@@ -253,7 +253,7 @@ def evaluate(gm, task, K, device, batch_size=250):
         out = gm(b["ctx"], b["q"], b["y"], K=K)
         e, a = score(out["logits"], b["y"], b["y_mask"])
         B = b["y"].size(0)
-        em, acc, n = em + e * B, acc + a * B, n + B
+        em, acc, n = em + round(e * B), acc + a * B, n + B     # round: the exact-match count, not float32 mean x B
         wl += out["losses"][0].item() if out["losses"] else 0.0  # summed over the batch
     gm.train()
     return dict(em=em / n, acc=acc / n, write_loss0=wl / n)
