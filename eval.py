@@ -45,7 +45,7 @@ def evaluate_baseline(gm, task, K_list, device, batch_size=250):
         for b in task.eval_batches(batch_size, device):
             logits = gm(b["ctx"], b["q"], b["y"], K=K)["logits"]
             e, a = score(logits, b["y"], b["y_mask"])
-            em, acc = em + round(e * len(b["y"])), acc + a * len(b["y"])    # round: exact-match count
+            em, acc = em + e, acc + a * len(b["y"])
             by_pair.add(logits, b)
         res.append(dict(K_eval=K, em=em / len(task.eval[0]), acc=acc / len(task.eval[0]), **by_pair.result()))
     return res
@@ -100,10 +100,10 @@ def evaluate_ks(gm, task, K_list, device, batch_size=250):
             with torch.enable_grad():
                 _, nll = write_loss(gm.model, head, mem, b["ctx"])        # Eq. (4) at M_k, per token
             _, logits = read_loss(gm.model, mem, b["q"], b["y"])
-            em, acc = score(logits, b["y"], b["y_mask"])
+            n_em, acc = score(logits, b["y"], b["y_mask"])
             by_pair[k].add(logits, b)
             s = sums[k]
-            s["em"] += round(em * B)                                            # exact-match count
+            s["em"] += n_em
             s["acc"] += acc * B
             for name, sel in (("all", None), ("key", KEY), ("value", VALUE), ("sep", SEP)):
                 tok = nll if sel is None else nll[:, kinds == sel]

@@ -253,7 +253,7 @@ def evaluate(gm, task, K, device, batch_size=250):
         out = gm(b["ctx"], b["q"], b["y"], K=K)
         e, a = score(out["logits"], b["y"], b["y_mask"])
         B = b["y"].size(0)
-        em, acc, n = em + round(e * B), acc + a * B, n + B     # round: the exact-match count, not float32 mean x B
+        em, acc, n = em + e, acc + a * B, n + B
         wl += out["losses"][0].item() if out["losses"] else 0.0  # summed over the batch
     gm.train()
     return dict(em=em / n, acc=acc / n, write_loss0=wl / n)
@@ -350,7 +350,7 @@ def train_step(gm, opt, task, step, tcfg, device, autocast, graphed=None):
         if graphed is None:
             (out["loss"] / tcfg.grad_accum).backward()
         for k, v in (("loss", out["loss"].item()), ("task_loss", out["task_loss"].item()), ("write_loss", wl),
-                     ("em", score(out["logits"], b["y"], b["y_mask"])[0]), ("g_mem", out["grad_norm"].item())):
+                     ("em", score(out["logits"], b["y"], b["y_mask"])[0] / b["y"].size(0)), ("g_mem", out["grad_norm"].item())):
             logs[k] += v / tcfg.grad_accum
     norm = torch.nn.utils.clip_grad_norm_(gm.parameters(), tcfg.grad_clip)
     if not torch.isfinite(norm):
