@@ -66,6 +66,7 @@ class GradMem(nn.Module):
         shape = (cfg.n_mem, c.n_embd) if cfg.memory == "input" else (c.n_layer, 2, cfg.n_mem, c.n_embd)
         self.mem0 = nn.Parameter(0.02 * torch.randn(shape))                # M_0, N(0, 0.02^2)
         self.write_head = None
+        self.compiled_grad = None       # train.py --compile sets a torch.compile'd write_grad (second order only)
         if cfg.write_head:
             self.write_head = nn.Linear(model.config.n_embd, model.config.vocab_size, bias=False)
             self.write_head.weight.data.copy_(model.lm_head.weight.data)
@@ -125,13 +126,31 @@ def write(gm, ctx, K, mem=None):
         for k in range(K):
             if cfg.meta_grad == "none" or not train:        # cut the graph: nothing learns through this step
                 mem = mem.detach().requires_grad_()
-            loss, nll = write_loss(gm.model, head, mem, ctx, cfg.attn if second else "sdpa")   # Eq. (4)
-            g, = torch.autograd.grad(loss, mem, create_graph=second, retain_graph=second or (keep_last and k == K - 1))
+            if second and gm.compiled_grad is not None:     # train.py --compile: the same gradient, traced and fused
+                g, loss, nll = gm.compiled_grad(mem, ctx)
+            else:
+                loss, nll = write_loss(gm.model, head, mem, ctx, cfg.attn if second else "sdpa")   # Eq. (4)
+                g, = torch.autograd.grad(loss, mem, create_graph=second, retain_graph=second or (keep_last and k == K - 1))
             mem = mem - cfg.alpha * g                          # Eq. (5): M_{k+1} = M_k - alpha grad_M L_write
             info["losses"].append(loss if train else loss.detach())
             info["nll"].append(nll.detach())
             info["grad_norm"] = g.detach().flatten(1).norm(dim=1).mean()
     return (mem if train else mem.detach()), info
+
+
+def write_grad(gm, mem, ctx):
+    """grad_M L_write(M; C) of Eq. (5), with L_write and its per-token NLL, as one pure function (torch.func.grad):
+    autograd differentiates its result again for the second-order meta-gradient, and torch.compile can trace the
+    whole of it, backward included, and fuse it (train.py --compile). Attention is the explicit math, which the
+    compiler fuses. Same numbers as write()'s autograd.grad(create_graph=True) (test_write_grad_equals_autograd_grad)."""
+    head = gm.write_head if gm.write_head is not None else gm.model.lm_head
+
+    def loss_fn(m):
+        loss, nll = write_loss(gm.model, head, m, ctx, "eager")
+        return loss, (loss, nll)
+
+    g, (loss, nll) = torch.func.grad(loss_fn, has_aux=True)(mem)
+    return g, loss, nll
 
 
 def read_loss(model, mem, q, y):

@@ -24,6 +24,7 @@ import data
 import eval as eval_script
 import plot
 import train
+import gradmem
 from gradmem import GradMem, GradMemConfig, read_loss, write, write_loss
 from model import GPT, MLP, GPTConfig, apply_rope, attention, rope_frequencies, rope_tables
 
@@ -217,6 +218,53 @@ def test_gradmem_meta_gradient_same_with_hvp_and_explicit_attention():
 
 
 # ---------------------------------------------------------------- GradMem WRITE / READ
+
+
+@pytest.mark.parametrize("memory", ["input", "kv"])
+def test_write_grad_equals_autograd_grad(memory):
+    """gradmem.write_grad (torch.func.grad, the function --compile compiles) gives write()'s autograd.grad values:
+    the same grad_M L_write, L_write and NLL, and the same second-order meta-gradient of the outer loss (K = 2)."""
+    b = tiny_batch(n_pairs=3)
+    grads, outs = [], []
+    for use in (False, True):
+        gm = tiny_gradmem(K=2, aux_write=0.5, memory=memory)
+        gm.train()
+        if use:
+            gm.compiled_grad = lambda mem, ctx: gradmem.write_grad(gm, mem, ctx)
+        out = gm(b["ctx"], b["q"], b["y"])
+        out["loss"].backward()
+        outs.append([out["loss"], out["mem"], *out["losses"], *out["nll"]])
+        grads.append([p.grad for p in gm.parameters()])
+    for a, c in zip(*outs):
+        assert torch.allclose(a, c, atol=1e-12, rtol=1e-10)
+    for a, c in zip(*grads):
+        assert a is not None and torch.allclose(a, c, atol=1e-12, rtol=1e-9)
+    m = tiny_gradmem().mem0.expand(2, 3, 16).clone()
+    g, loss, _ = gradmem.write_grad(tiny_gradmem(), m, b["ctx"])
+    assert torch.allclose(g, torch.autograd.grad(write_loss(tiny_gradmem().model, tiny_gradmem().write_head,
+                                                            m.requires_grad_(), b["ctx"], "eager")[0], m)[0], atol=1e-12)
+
+
+def test_compiled_write_step_equals_eager_step():
+    """train.py --compile: two optimizer steps with the torch.compile'd WRITE gradient (K = 2, second order, fp32)
+    leave the same weights as the eager step, to float32 rounding."""
+    cfgs = train.parse_args(SMALL + ["--K=2", "--alpha=0.5", "--grad_accum=1"])
+    task = data.KVTask(2, 0, 12345, 32)
+    params = []
+    for comp in (False, True):
+        torch.manual_seed(0)
+        gm = train.build(cfgs)
+        if comp:
+            train.compile_write(gm)
+            compiled, calls = gm.compiled_grad, []
+            gm.compiled_grad = lambda mem, ctx: (calls.append(1), compiled(mem, ctx))[1]
+        opt = torch.optim.AdamW(gm.parameters(), lr=1e-2)
+        logs = [train.train_step(gm, opt, task, s, cfgs["train"], "cpu", train.nullcontext()) for s in range(2)]
+        params.append((logs, [p.detach().clone() for p in gm.parameters()]))
+    (la, pa), (lb, pb) = params
+    assert all(a == pytest.approx(b, rel=1e-4, abs=1e-6) for a, b in zip(la, lb))
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(pa, pb))
+    assert len(calls) == 2 * 2                                       # every WRITE step of both steps went through it
 
 
 def reference_write_loss(model, head, mem, ctx):
@@ -1210,5 +1258,8 @@ def test_bad_input_fails_cleanly_and_keeps_checkpoints(tmp_path, monkeypatch):
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--grad_clip=0"], "--grad_clip")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--patience=-1"], "--patience")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--device=cpu", "--dtype=bfloat16"], "bfloat16")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--compile", "--model=rmt"], "--compile")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--compile", "--meta_grad=first"], "--compile")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--compile", "--cuda_graph"], "--compile")
     run_fails(SMALL + [f"--out_dir={good}", "--write_split=5"], "ckpt.pt exists")      # never writes into a run
     assert sha(ck) == before and sha(os.path.join(good, "log.jsonl")) == log_before
