@@ -5,6 +5,7 @@ Train GradMem (arXiv:2603.13875v2) on associative key-value retrieval (§3.1, Ta
     python train.py --task kv --pairs 16 --K 1 --init_from out/kv8/best.pt --out_dir out/kv16   # the next stage by hand
     python train.py --task kv --pairs 8 --K 1 --resume              # continue that run exactly (same flags)
     python train.py --pairs 16 --K 5 --batch_size 32 --bench 5      # median s/step and peak memory
+    python train.py --pairs 16 --K 5 --batch_size 32 --bench 5 --compile   # the same, WRITE step fused by torch.compile
 
 Every flag is a field of GPTConfig (model.py), GradMemConfig (gradmem.py) or TrainConfig (below).
 """
@@ -74,8 +75,9 @@ class TrainConfig:
     cuda_graph: bool = field(default=False, metadata={"help": "CUDA: record one micro-batch's WRITE, READ and meta-gradient "
                                                                "as a CUDA graph and replay it every step (skipped on CPU)"})
     compile: bool = field(default=False, metadata={"help": "GradMem, second order: torch.compile one WRITE step's gradient "
-                                                            "(gradmem.write_grad) so its double backward runs fused (~1.6x "
-                                                            "faster on CPU, README); the first step compiles for ~1 min"})
+                                                            "(gradmem.write_grad) so its double backward runs fused (1.6x "
+                                                            "faster at 16 pairs on CPU, no gain at 64: README); the first "
+                                                            "step compiles for ~1 min"})
 
     def __post_init__(self):
         if self.batch_size < 1 or self.grad_accum < 0 or (self.grad_accum and self.batch_size % self.grad_accum):
@@ -329,7 +331,7 @@ def compile_write(gm):
 def tune_malloc():
     """CPU: keep glibc malloc from handing freed tensor memory back to the OS and faulting it in again for the next
     tensor (glibc returns blocks above its mmap threshold at once, and trims the heap top). Measured side by side:
-    ~7 % off a K = 5 step, less system time (README). No effect, and no error, off glibc."""
+    1-10 % off a K = 5 step and less system time (README, "--compile"). Off glibc it does nothing and returns False."""
     import ctypes
     try:
         libc = ctypes.CDLL("libc.so.6")
