@@ -84,13 +84,23 @@ def apply_rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-def attention_eager(q, k, v):
-    """Explicit causal softmax attention, (B, nh, T, hs) -> (B, nh, T, hs). Twice differentiable."""
+EAGER_BLOCK = 40   # query rows per block in attention_eager: the fastest compiled K = 5 step at 16 pairs (README)
+
+
+def attention_eager(q, k, v, block=None):
+    """Explicit causal softmax attention, (B, nh, T, hs) -> (B, nh, T, hs). Twice differentiable.
+    The query rows go in near-equal blocks of at most `block` (default EAGER_BLOCK); rows [a, b) multiply only
+    the keys [0, b), so the blocks above the diagonal, all -inf under the causal mask, are never computed
+    (3 blocks at T = 120: 67 % of the T x T work). Exact: each row's softmax runs over the same visible keys."""
     T = q.size(-2)
-    att = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-    return att @ v
+    n = -(-T // (block or EAGER_BLOCK))
+    edges = [T * i // n for i in range(n + 1)]
+    out = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        att = (q[..., a:b, :] @ k[..., :b, :].transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, nh, b-a, b)
+        causal = torch.ones(b - a, b, dtype=torch.bool, device=q.device).tril(diagonal=a)  # key j <= row a+i
+        out.append(att.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v[..., :b, :])
+    return out[0] if n == 1 else torch.cat(out, dim=-2)
 
 
 def attention(q, k, v, attn):

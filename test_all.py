@@ -26,7 +26,7 @@ import plot
 import train
 import gradmem
 from gradmem import GradMem, GradMemConfig, read_loss, write, write_loss
-from model import GPT, MLP, GPTConfig, apply_rope, attention, rope_frequencies, rope_tables
+from model import GPT, MLP, GPTConfig, apply_rope, attention, attention_eager, rope_frequencies, rope_tables
 
 torch.use_deterministic_algorithms(True)
 TINY = dict(n_layer=2, n_head=2, n_embd=16, n_hidden=32, vocab_size=len(data.VOCAB))
@@ -70,6 +70,27 @@ def test_attention_impls_agree():
         ref[..., t, :] = (torch.softmax(s, -1).unsqueeze(-1) * v[..., : t + 1, :]).sum(-2)
     for impl in ("sdpa", "eager"):
         assert torch.allclose(attention(q, k, v, impl), ref, atol=1e-12), impl
+
+
+@pytest.mark.parametrize("T,block", [(1, 4), (7, 3), (13, 4), (13, 13), (13, 100), (37, 8)])
+def test_blocked_explicit_attention_equals_full_matrix_twice_differentiated(T, block):
+    """model.attention_eager skips the key blocks above the causal diagonal: output, first and second
+    derivatives equal those of the full (T, T) masked softmax, in float64."""
+    torch.manual_seed(T)
+    q, k, v = (torch.randn(2, 3, T, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    w, u = torch.randn(2, 2, 3, T, 4, dtype=torch.float64)
+
+    def full(q, k, v):
+        s = (q @ k.transpose(-2, -1)) / 2.0                                    # sqrt(hs) = 2
+        return s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1) @ v
+    results = []
+    for fn in (full, lambda q, k, v: attention_eager(q, k, v, block)):
+        o = fn(q, k, v)
+        dq, dk, dv = torch.autograd.grad((o * w).sum(), (q, k, v), create_graph=True)
+        second = torch.autograd.grad((dq * u).sum() + (dk ** 2).sum() + (dv * dq).sum(), (q, k, v))
+        results.append([o, dq, dk, dv, *second])
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-12)
 
 
 def test_rope_matches_rotation_reference():
