@@ -77,7 +77,7 @@ class TrainConfig:
     compile: bool = field(default=False, metadata={"help": "GradMem, second order: torch.compile one WRITE step's gradient "
                                                             "(gradmem.write_grad) so its double backward runs fused (1.6x "
                                                             "faster at 16 pairs on CPU, 1.2x at 64: README); the first "
-                                                            "step compiles for ~1 min (~4 at 64 pairs)"})
+                                                            "step compiles for ~1 min (more at 64 pairs)"})
 
     def __post_init__(self):
         if self.batch_size < 1 or self.grad_accum < 0 or (self.grad_accum and self.batch_size % self.grad_accum):
