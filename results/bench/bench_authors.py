@@ -70,10 +70,10 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
 
     rng = np.random.default_rng(0)
+    enc = lambda strings: [tok(s, add_special_tokens=True).input_ids for s in strings]
     batches = []
     for _ in range(args.warmup + args.steps):
         ctx, q, y = sample_kv(rng, args.batch_size, args.pairs)
-        enc = lambda strings: [tok(s, add_special_tokens=True).input_ids for s in strings]
         c = enc([decode(r) for r in ctx])
         qy = enc([decode(a) + decode(b) for a, b in zip(q, y)])
         qids = pad_to(qy, 8, tok.pad_token_id)
