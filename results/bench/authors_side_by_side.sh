@@ -3,7 +3,7 @@
 # kill -STOP for the whole script): the authors' code, the session-14 code and this code, K = 5 and K = 1,
 # 16 pairs, batch 32, fp32, each variant twice, alternating. Output: authors_side_by_side_n16_b32.jsonl.
 #   AUTHORS: a checkout of github.com/yurakuratov/gradmem with transformers 4.53 installed (README)
-#   S14:     a work tree of this repo at commit e4d9f67 (git worktree add /tmp/s14code e4d9f67)
+#   S14:     a work tree of this repo at commit e4d9f67 (git worktree add /tmp/s14code e4d9f67); skipped if absent
 AUTHORS=${AUTHORS:-/tmp/authors}; PY_AUTHORS=${PY_AUTHORS:-python}; S14=${S14:-/tmp/s14code}; OUT=$1
 cd "$(dirname "$0")/../.."
 run() {  # variant dir cmd...
@@ -15,7 +15,7 @@ for K in 5 1; do
   if [ $K = 5 ]; then N=5; else N=8; fi
   for r in 1 2; do
     run authors $here $PY_AUTHORS results/bench/bench_authors.py --repo $AUTHORS --K $K --steps $N
-    run s14_compile $S14 python train.py --pairs 16 --K $K --batch_size 32 --bench $N --compile
+    [ -d "$S14" ] && run s14_compile $S14 python train.py --pairs 16 --K $K --batch_size 32 --bench $N --compile
     run compile $here python train.py --pairs 16 --K $K --batch_size 32 --bench $N --compile
     run eager_hvp $here python train.py --pairs 16 --K $K --batch_size 32 --bench $N
     if [ $K = 5 ]; then
