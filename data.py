@@ -13,6 +13,7 @@ contexts (rejected and redrawn), so train and eval are disjoint by construction 
 A split can be written to JSONL and trained from, for byte-for-byte reproducible data.
 """
 import json
+import re
 import string
 
 import numpy as np
@@ -139,16 +140,39 @@ def save_jsonl(path, arrays):
             f.write(json.dumps(dict(context=decode(c), query=decode(q), target=decode(y))) + "\n")
 
 
+PAIR_RE = re.compile(f"!([{CHARS}]{{2}}):([{CHARS}]{{2}})!")
+
+
+def check_sample(context, query, target):
+    """The §3.1 format, checked: context !k1:v1!...!kN:vN!| with unique keys, query ?!k:, target v!| with v the
+    value of k in the context. Raises ValueError naming what is off."""
+    pairs = PAIR_RE.findall(context[:-1])
+    if not context.endswith("|") or "".join(f"!{k}:{v}!" for k, v in pairs) != context[:-1] or not pairs:
+        raise ValueError(f"context {context!r} is not !k1:v1!...!kN:vN!| over a-z, A-Z, 0-9")
+    table = dict(pairs)
+    if len(table) != len(pairs):
+        raise ValueError(f"context {context!r} repeats a key")
+    if not (len(query) == 5 and query.startswith("?!") and query.endswith(":") and query[2:4] in table):
+        raise ValueError(f"query {query!r} is not ?!k: for a key k of the context")
+    if target != table[query[2:4]] + "!|":
+        raise ValueError(f"target {target!r} is not {table[query[2:4]] + '!|'!r}, the value of {query[2:4]!r} in the context")
+
+
 def load_jsonl(path):
     """JSONL of {"context", "query", "target"} strings -> (ctx, q, y) arrays; every row the same lengths."""
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            try:
-                d = json.loads(line)
-                rows.append((encode(d["context"]), encode(d["query"]), encode(d["target"])))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: not a KV sample ({e.__class__.__name__}: {e})") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for n, line in enumerate(lines, 1):
+        try:
+            d = json.loads(line)
+            check_sample(d["context"], d["query"], d["target"])
+            rows.append((encode(d["context"]), encode(d["query"]), encode(d["target"])))
+        except (KeyError, TypeError, AttributeError, ValueError) as e:     # JSONDecodeError is a ValueError
+            raise ValueError(f"{path}:{n}: not a KV sample ({e.__class__.__name__}: {e})") from None
     if not rows:
         raise ValueError(f"{path}: no samples")
     try:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from data import KEY, SEP, VALUE, KVTask, context_kinds, key_overlap, queried_pair
 from gradmem import GradMem, GradMemConfig, read_loss, score, token_hits, write, write_loss
 from model import GPTConfig
-from train import RunError, TrainConfig, build, load_checkpoint, set_pairs
+from train import RunError, TrainConfig, build, load_checkpoint, one_line, set_pairs
 
 
 def load_model(path, device="cpu"):
@@ -31,7 +31,10 @@ def load_model(path, device="cpu"):
                         train=TrainConfig(**cfg["train"])))
         gm.load_state_dict(ckpt["model"])
     except (TypeError, ValueError, RuntimeError, KeyError) as e:
-        raise RunError(f"checkpoint {path} does not rebuild a GradMem model: {str(e).splitlines()[0]}") from None
+        raise RunError(f"checkpoint {path} does not rebuild its model: {one_line(e)}") from None
+    bad = [name for name, t in gm.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise RunError(f"checkpoint {path} has non-finite weights ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
     return gm.to(device).eval(), dict(cfg, pairs=ckpt.get("pairs", cfg["train"]["pairs"]))   # pairs trained at
 
 
@@ -112,6 +115,18 @@ def evaluate_ks(gm, task, K_list, device, batch_size=250):
     return [dict(K_eval=K, **{k: v / n for k, v in sums[K].items()}, **by_pair[K].result()) for K in K_list]
 
 
+def check_out(out, overwrite):
+    """--out must be a new .json file (or --overwrite) in an existing directory: never a checkpoint, never a
+    directory, and an earlier result is not replaced unless asked."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if not out.endswith(".json"):
+        raise RunError(f"--out {out}: the output is JSON; give a path ending in .json")
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise RunError(f"--out {out}: {parent} is not a writable directory")
+    if os.path.isdir(out) or (os.path.exists(out) and not overwrite):
+        raise RunError(f"--out {out} exists: pass --overwrite to replace it, or choose another --out")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ckpt", help="checkpoint written by train.py (best.pt or ckpt.pt)")
@@ -125,9 +140,15 @@ def main(argv=None):
     p.add_argument("--eval_file", default="", help="evaluate on this JSONL split")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", default="", help="JSON output (default: <ckpt dir>/eval.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (by default an earlier "
+                   "result is never replaced)")
     args = p.parse_args(argv)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval.json")
     try:
+        check_out(out, args.overwrite)                      # before the evaluation, not after it
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RunError("--device cuda but no CUDA device is available")
         gm, cfg = load_model(args.ckpt, device)
         tc = cfg["train"]
         K_list = args.K_eval or [cfg["gradmem"]["K"] if cfg["gradmem"]["K_eval"] < 0 else cfg["gradmem"]["K_eval"]]
@@ -164,7 +185,6 @@ def main(argv=None):
         (e0, e1), (n0, n1) = r["em_by_key_overlap"], r["n_by_key_overlap"]
         print(f"K_eval={r['K_eval']}: EM {e0:.4f} where no other key shares a character with the queried one "
               f"({n0} samples), {e1:.4f} where one does ({n1})")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval.json")
     with open(out + ".tmp", "w") as f:
         json.dump(dict(ckpt=args.ckpt, pairs=pairs, n_eval=len(task.eval[0]), K_train=cfg["gradmem"]["K"],
                        alpha=gm.cfg.alpha if isinstance(gm, GradMem) else None,

@@ -812,6 +812,19 @@ def test_jsonl_roundtrip(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"context": "!ab:cd!|"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         data.load_jsonl(tmp_path / "bad.jsonl")
+    # the §3.1 format is checked line by line: unknown characters, a query key not in the context, a wrong target
+    good = '{"context": "!ab:cd!!ef:gh!|", "query": "?!ef:", "target": "gh!|"}\n'
+    for bad, why in (('"!ab:c#!!ef:gh!|"', "is not !k1:v1!"), ('"!ab:cd!!ab:gh!|"', "repeats a key")):
+        (tmp_path / "bad.jsonl").write_text(good + good.replace('"!ab:cd!!ef:gh!|"', bad))
+        with pytest.raises(ValueError, match=f"bad.jsonl:2: .*{why}"):
+            data.load_jsonl(tmp_path / "bad.jsonl")
+    for q, t, why in (("?!zz:", "gh!|", "not \\?!k: for a key"), ("?!ef:", "cd!|", "not 'gh!\\|', the value of 'ef'")):
+        (tmp_path / "bad.jsonl").write_text(good.replace("?!ef:", q).replace('"gh!|"', f'"{t}"'))
+        with pytest.raises(ValueError, match=f"bad.jsonl:1: .*{why}"):
+            data.load_jsonl(tmp_path / "bad.jsonl")
+    (tmp_path / "bad.jsonl").write_bytes(good.encode() + b"\xff\xfe\n")
+    with pytest.raises(ValueError, match="bad.jsonl: not UTF-8"):
+        data.load_jsonl(tmp_path / "bad.jsonl")
     task = data.KVTask(3, train_file=tmp_path / "s.jsonl", n_eval=10)           # trains from the file
     assert all(data.decode(c) in {data.decode(r) for r in arrays[0]} for c in task.train_batch(0, 8)["ctx"].numpy())
     with pytest.raises(ValueError, match="3-pair contexts, not --pairs 4"):
@@ -849,13 +862,13 @@ def test_train_then_eval_smoke(tmp_path, capsys):
         assert parts / (7 * N + 1) == pytest.approx(r["write_loss_all"], rel=1e-5)
         assert r["write_loss_key"] != pytest.approx(r["write_loss_value"], rel=1e-3)
     assert json.load(open(os.path.join(out, "eval.json")))["results"][2]["K_eval"] == 3
-    same = eval_script.main([os.path.join(out, "best.pt"), "--K_eval", "1", "--alpha", str(0.5)])  # the trained alpha
-    other = eval_script.main([os.path.join(out, "best.pt"), "--K_eval", "1", "--alpha", "2.0"])
+    same = eval_script.main([os.path.join(out, "best.pt"), "--K_eval", "1", "--alpha", str(0.5), "--overwrite"])  # the trained alpha
+    other = eval_script.main([os.path.join(out, "best.pt"), "--K_eval", "1", "--alpha", "2.0", "--overwrite"])
     assert same[0]["write_loss_all"] == pytest.approx(res[1]["write_loss_all"])
     assert other[0]["write_loss_all"] != pytest.approx(res[1]["write_loss_all"], rel=1e-5)
     assert json.load(open(os.path.join(out, "eval.json")))["alpha"] == 2.0
     with pytest.raises(SystemExit) as e:
-        eval_script.main([os.path.join(out, "best.pt"), "--alpha", "0"])
+        eval_script.main([os.path.join(out, "best.pt"), "--alpha", "0", "--overwrite"])
     assert "--alpha" in e.value.code and "\n" not in e.value.code
     plot.main(["curves", os.path.join(out, "log.jsonl"), "-o", str(tmp_path / "c.png")])
     plot.main(["keval", os.path.join(out, "eval.json"), "-o", str(tmp_path / "k.png")])
@@ -1255,7 +1268,7 @@ def test_bad_input_fails_cleanly_and_keeps_checkpoints(tmp_path, monkeypatch):
     monkeypatch.undo()
     # a diverging run stops with the step number and writes no checkpoint
     run_fails(SMALL + [f"--out_dir={tmp_path}/z", f"--init_from={ck}", "--lr=1e30", "--max_steps=3"],
-              "non-finite loss at step 1")
+              "non-finite loss at step 2")
     assert not os.path.exists(tmp_path / "z" / "ckpt.pt")
     assert sha(ck) == before
     # curriculum: a larger --pairs run starts from the smaller run's weights
@@ -1284,3 +1297,48 @@ def test_bad_input_fails_cleanly_and_keeps_checkpoints(tmp_path, monkeypatch):
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--compile", "--cuda_graph"], "--compile")
     run_fails(SMALL + [f"--out_dir={good}", "--write_split=5"], "ckpt.pt exists")      # never writes into a run
     assert sha(ck) == before and sha(os.path.join(good, "log.jsonl")) == log_before
+
+
+def test_bad_input_more_cases_fail_in_one_line(tmp_path):
+    """Flags, out_dir, checkpoints and eval.py --out: each bad case a one-line error before anything is written."""
+    good = str(tmp_path / "good")
+    train.main(SMALL + ["--K=1", "--max_steps=2", f"--out_dir={good}"])
+    ck, best = os.path.join(good, "ckpt.pt"), os.path.join(good, "best.pt")
+    before = sha(ck), sha(best)
+    for flag, match in (("--seed=-1", "--seed must be >= 0"), ("--eval_seed=-1", "--eval_seed"), ("--warmup=-5", "--warmup"),
+                        ("--bench=-1", "--bench"), ("--write_split=-1", "--write_split"), ("--lr=nan", "--lr must be finite"),
+                        ("--lr=-1", "--lr must be finite"), ("--weight_decay=nan", "--weight_decay"),
+                        ("--weight_decay=inf", "--weight_decay")):
+        run_fails(SMALL + [f"--out_dir={tmp_path}/x", flag], match)
+    (tmp_path / "afile").write_text("x")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/afile"], "--out_dir .*cannot make")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/afile/sub"], "--out_dir .*cannot make")
+    run_fails(SMALL + [f"--out_dir={good}", "--resume", "--max_steps=2"], "already at --max_steps 2")
+    # checkpoints that load but do not fit: a missing weight, a wrong shape, a config without its sections
+    ckpt = torch.load(ck, weights_only=True)
+    for name, edit, match in (("missing", lambda c: c["model"].pop("mem0"), "does not fit .*Missing key.*mem0"),
+                              ("shape", lambda c: c["model"].update(mem0=torch.zeros(2, 3)), "does not fit .*size mismatch"),
+                              ("notrain", lambda c: c["config"].pop("train"), "config lacks"),
+                              ("cfgstr", lambda c: c.update(config="x"), "config lacks")):
+        c = torch.load(ck, weights_only=True)
+        edit(c)
+        torch.save(c, tmp_path / f"{name}.pt")
+        run_fails(SMALL + [f"--out_dir={tmp_path}/i_{name}", f"--init_from={tmp_path}/{name}.pt"], match)
+        with pytest.raises(SystemExit) as e:
+            eval_script.main([str(tmp_path / f"{name}.pt"), "--out", str(tmp_path / f"e_{name}.json")])
+        assert "\n" not in e.value.code and re.search("does not (fit|rebuild)|config lacks", e.value.code), e.value.code
+    nan = dict(ckpt, model={k: v.clone() for k, v in ckpt["model"].items()})
+    nan["model"]["mem0"][0, 0] = float("nan")
+    torch.save(nan, tmp_path / "nan.pt")
+    with pytest.raises(SystemExit, match="non-finite weights .*mem0"):
+        eval_script.main([str(tmp_path / "nan.pt"), "--out", str(tmp_path / "nan.json")])
+    # eval.py --out: never a checkpoint, never an existing result unless --overwrite, checked before evaluating
+    for out, match in ((best, "ending in .json"), (str(tmp_path), "ending in .json"),
+                       (str(tmp_path / "nodir" / "e.json"), "not a writable directory")):
+        with pytest.raises(SystemExit, match=match):
+            eval_script.main([best, "--out", out])
+    eval_script.main([best, "--out", str(tmp_path / "e.json"), "--n_eval=8"])
+    with pytest.raises(SystemExit, match="exists: pass --overwrite"):
+        eval_script.main([best, "--out", str(tmp_path / "e.json")])
+    eval_script.main([best, "--out", str(tmp_path / "e.json"), "--n_eval=8", "--overwrite"])
+    assert (sha(ck), sha(best)) == before

@@ -86,17 +86,23 @@ class TrainConfig:
             raise ValueError("--resume and --init_from exclude each other")
         if self.profile and not self.bench:
             raise ValueError("--profile profiles a --bench step: give --bench N as well")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be finite and > 0, got {self.lr}")
+        for name in ("warmup", "seed", "eval_seed", "bench", "write_split"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if self.decay_steps < 0 or not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"--decay_steps must be >= 0 and --min_lr in [0, --lr], got {self.decay_steps}, {self.min_lr}")
         if self.n_eval < 1:
             raise ValueError(f"--n_eval must be >= 1, got {self.n_eval}")
         if not 0 <= self.curriculum_em <= 1:
             raise ValueError(f"--curriculum_em must be in [0, 1], got {self.curriculum_em}")
-        if not self.grad_clip > 0 or self.patience < 0 or self.weight_decay < 0:
+        if not self.grad_clip > 0 or self.patience < 0 or not 0 <= self.weight_decay < float("inf"):
             raise ValueError(f"--grad_clip must be > 0, --patience and --weight_decay >= 0, got {self.grad_clip}, "
                              f"{self.patience}, {self.weight_decay}")
-        if not self.lr > 0 or self.max_steps < 0 or self.eval_interval < 1 or self.log_interval < 1:
-            raise ValueError("--lr must be > 0, --max_steps >= 0, --eval_interval and --log_interval >= 1")
+        if self.max_steps < 0 or self.eval_interval < 1 or self.log_interval < 1:
+            raise ValueError(f"--max_steps must be >= 0, --eval_interval and --log_interval >= 1, got {self.max_steps}, "
+                             f"{self.eval_interval}, {self.log_interval}")
 
 
 CONFIGS = {"model": GPTConfig, "gradmem": GradMemConfig, "train": TrainConfig}
@@ -171,9 +177,27 @@ def load_checkpoint(path, resume=False):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         assert isinstance(ckpt, dict) and need <= ckpt.keys(), f"missing {sorted(need - set(ckpt))}"
+        cfg = ckpt["config"]
+        assert isinstance(cfg, dict) and all(isinstance(cfg.get(k), dict) for k in CONFIGS), \
+            f"its config lacks a {'/'.join(CONFIGS)} section"
+        assert all(torch.is_tensor(v) for v in ckpt["model"].values()), "its model entry is not a state dict"
     except Exception as e:
-        raise RunError(f"cannot read checkpoint {path}: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else 'not a gradmem checkpoint'}") from None
+        raise RunError(f"cannot read checkpoint {path}: not a complete train.py checkpoint ({one_line(e)})") from None
     return ckpt
+
+
+def one_line(e):
+    """An exception as one line: its class and its message's lines joined (load_state_dict puts the cause on line 2)."""
+    msg = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return f"{e.__class__.__name__}: {msg[:300] if msg else 'no message'}"
+
+
+def load_state(module, state, path):
+    """module.load_state_dict, its mismatch as a one-line RunError naming the checkpoint."""
+    try:
+        module.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise RunError(f"checkpoint {path} does not fit this run's model: {one_line(e)}") from None
 
 
 def check_match(path, saved, cfgs, sections, skip=RESUMABLE):
@@ -207,7 +231,7 @@ def init_from(gm, path, cfgs):
         if state["mem0"].size(-2) < gm.mem0.size(-2):
             raise RunError(f"checkpoint {path} has n_mem={state['mem0'].size(-2)}, fewer than this run's {gm.mem0.size(-2)}")
         state["mem0"] = state["mem0"].narrow(-2, 0, gm.mem0.size(-2)).clone()
-    gm.load_state_dict(state)
+    load_state(gm, state, path)
 
 
 def save_checkpoint(path, gm, opt, step, best_em, cfgs, pairs, since_best=0, last_stage_from=0):
@@ -371,7 +395,7 @@ def train_step(gm, opt, task, step, tcfg, device, autocast, graphed=None):
             out = graphed(b)                      # forward and backward, gradients already in .grad
         wl = out["losses"][0].item() / micro if out["losses"] else 0.0
         if not (math.isfinite(out["loss"].item()) and math.isfinite(wl)):
-            raise RunError(f"non-finite loss at step {step} (task {out['task_loss'].item()}, WRITE {wl}); "
+            raise RunError(f"non-finite loss at step {step + 1} (task {out['task_loss'].item()}, WRITE {wl}); "
                            "stopped without saving (try a smaller --alpha or --lr)")
         if graphed is None:
             (out["loss"] / tcfg.grad_accum).backward()
@@ -380,7 +404,7 @@ def train_step(gm, opt, task, step, tcfg, device, autocast, graphed=None):
             logs[k] += v / tcfg.grad_accum
     norm = torch.nn.utils.clip_grad_norm_(gm.parameters(), tcfg.grad_clip)
     if not torch.isfinite(norm):
-        raise RunError(f"non-finite gradient norm at step {step}; stopped without saving")
+        raise RunError(f"non-finite gradient norm at step {step + 1}; stopped without saving")
     opt.step()
     opt.zero_grad(set_to_none=True)
     logs["norm"] = norm.item()
@@ -418,7 +442,10 @@ def run(cfgs, argv):
         task = KVTask(tcfg.pairs, tcfg.seed, tcfg.eval_seed, tcfg.n_eval, tcfg.train_file or None, tcfg.eval_file or None)
     except (ValueError, OSError) as e:
         raise RunError(str(e)) from None
-    os.makedirs(tcfg.out_dir, exist_ok=True)
+    try:
+        os.makedirs(tcfg.out_dir, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"--out_dir {tcfg.out_dir}: cannot make that directory ({e.strerror})") from None
     if tcfg.write_split:
         for name in ("train.jsonl", "eval.jsonl", "ckpt.pt"):
             if os.path.exists(os.path.join(tcfg.out_dir, name)):
@@ -447,9 +474,12 @@ def run(cfgs, argv):
     if tcfg.resume:
         ckpt = load_checkpoint(ckpt_path, resume=True)
         check_match(ckpt_path, ckpt["config"], cfgs, ["model", "gradmem", "train"])
-        gm.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
+        load_state(gm, ckpt["model"], ckpt_path)
+        load_state(opt, ckpt["optimizer"], ckpt_path)
         step, best_em, since_best = ckpt["step"], ckpt["best_em"], ckpt.get("since_best", 0)
+        if step >= tcfg.max_steps and not tcfg.bench:
+            raise RunError(f"{ckpt_path} is at step {step}, already at --max_steps {tcfg.max_steps}: "
+                           "raise --max_steps to train on")
         last_stage_from = ckpt.get("last_stage_from", 0)
         torch.set_rng_state(ckpt["rng"])
         best_path = os.path.join(tcfg.out_dir, "best.pt")  # saved just before ckpt.pt: a kill between the two leaves
