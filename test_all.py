@@ -1314,6 +1314,8 @@ def test_bad_input_more_cases_fail_in_one_line(tmp_path):
     run_fails(SMALL + [f"--out_dir={tmp_path}/afile"], "--out_dir .*cannot make")
     run_fails(SMALL + [f"--out_dir={tmp_path}/afile/sub"], "--out_dir .*cannot make")
     run_fails(SMALL + [f"--out_dir={good}", "--resume", "--max_steps=2"], "already at --max_steps 2")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/none", "--resume"], "checkpoint not found")
+    assert not os.path.exists(tmp_path / "none")                        # a failed start leaves no empty out_dir
     # checkpoints that load but do not fit: a missing weight, a wrong shape, a config without its sections
     ckpt = torch.load(ck, weights_only=True)
     for name, edit, match in (("missing", lambda c: c["model"].pop("mem0"), "does not fit .*Missing key.*mem0"),

@@ -442,6 +442,8 @@ def run(cfgs, argv):
         task = KVTask(tcfg.pairs, tcfg.seed, tcfg.eval_seed, tcfg.n_eval, tcfg.train_file or None, tcfg.eval_file or None)
     except (ValueError, OSError) as e:
         raise RunError(str(e)) from None
+    if tcfg.resume and not os.path.isfile(os.path.join(tcfg.out_dir, "ckpt.pt")):   # before out_dir is made
+        raise RunError(f"checkpoint not found: {os.path.join(tcfg.out_dir, 'ckpt.pt')} (--resume continues a run in --out_dir)")
     try:
         os.makedirs(tcfg.out_dir, exist_ok=True)
     except OSError as e:
