@@ -75,7 +75,7 @@ class TrainConfig:
     cuda_graph: bool = field(default=False, metadata={"help": "CUDA: record one micro-batch's WRITE, READ and meta-gradient "
                                                                "as a CUDA graph and replay it every step (skipped on CPU)"})
     compile: bool = field(default=False, metadata={"help": "GradMem, second order: torch.compile one WRITE step's gradient "
-                                                            "(gradmem.write_grad) so its double backward runs fused (1.6x "
+                                                            "(gradmem.write_grad) so its double backward runs fused (1.3-1.7x "
                                                             "faster at 16 pairs on CPU, 1.2x at 64: README); the first "
                                                             "step compiles for ~1 min (more at 64 pairs)"})
 
