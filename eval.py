@@ -6,7 +6,8 @@ Evaluate a GradMem checkpoint (arXiv:2603.13875v2) on held-out KV retrieval, reb
 For each K in --K_eval it reports exact match and token accuracy of the value characters after K WRITE steps,
 and the WRITE loss L_write(M_K) (Eq. 4) split into key, value and separator tokens (Figure 4b, Appendix E),
 and EM split by the position of the queried pair in the context (which pairs the memory keeps).
-Prints a table and writes the same numbers as JSON (--out, default <ckpt dir>/eval.json).
+Prints a table and writes the same numbers as JSON (--out, default <ckpt dir>/eval.json; an existing file only
+with --overwrite).
 """
 import argparse
 import json
