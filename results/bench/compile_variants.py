@@ -9,7 +9,7 @@ V (comma-separated, empty for train.py's --compile step as it is):
     swiglu     SwiGLU written as gate * sigmoid(gate) * up instead of F.silu(gate) * up
     rope       RoPE's cos/sin tables computed once outside the compiled graph (not recomputed inside its kernels)
     budgetX    torch._functorch.config.activation_memory_budget = X (the partitioner recomputes more below 1.0)
-Results: results/bench/compile_variants_intel_s18.txt (README, "On a third machine").
+Results: results/bench/compile_variants_intel_s18.txt (README, "A third machine").
 """
 import os
 import resource

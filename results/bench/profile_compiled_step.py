@@ -1,7 +1,7 @@
 """
 Session 18: where the compiled K = 5 step's time goes (16 pairs, batch 32, fp32, 2 threads): torch.profiler self time
 per aten op and per Inductor C++ kernel (cpp.enable_kernel_profile), of one step after 3 warm-up steps, then the same
-grouped by input shape. Output: results/bench/profile_compiled_n16_k5_b32_intel_s18.txt.
+grouped by input shape, then the step's matmul FLOPs. Output: results/bench/profile_compiled_n16_k5_b32_intel_s18.txt.
 
     python results/bench/profile_compiled_step.py
 """
@@ -38,3 +38,16 @@ with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=60))
 print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30,
                                                           max_name_column_width=30, max_shapes_column_width=60))
+
+# The matmul FLOPs of the same step: counted on one uncompiled step with the blocked explicit attention that the
+# compiled step traces (--attn eager); the counter does not see inside compiled graphs.
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+cfgs["gradmem"].attn = "eager"
+torch.manual_seed(0)
+gm = train.build(cfgs)
+b = task.train_batch(0, 32)
+with FlopCounterMode(display=False) as fc:
+    gm(b["ctx"], b["q"], b["y"])["loss"].backward()
+counts = fc.get_flop_counts()["Global"]
+print("GFLOP per step:", {str(k): round(v / 1e9, 2) for k, v in counts.items()}, "total", round(sum(counts.values()) / 1e9, 1))
