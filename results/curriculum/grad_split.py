@@ -1,16 +1,19 @@
 """
-The outer gradient of a K = 1 GradMem checkpoint split into its two terms, over N training batches:
+Session 18: the outer gradient of a K = 1 GradMem checkpoint split into its two terms, over N training batches:
 the task loss's (READ, Eq. 8) and the auxiliary WRITE loss's (aux_write * L_write(M_0) / B). Prints, per term,
 the mean per-batch gradient norm, the norm of the gradient averaged over the N batches (the signal), and the
 ratio of the two (near 1/sqrt(N) when a term is pure batch noise), plus the clip factor the sum gets.
 
     python results/curriculum/grad_split.py CKPT [N]
 """
+import os
 import sys
+
 import torch
-sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__import__("os").path.abspath(__file__)), "..", ".."))
-from eval import load_model
-from data import KVTask
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from data import KVTask  # noqa: E402
+from eval import load_model  # noqa: E402
 
 path = sys.argv[1]; N = int(sys.argv[2]) if len(sys.argv) > 2 else 16
 gm, cfg = load_model(path)
