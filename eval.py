@@ -36,7 +36,8 @@ def load_model(path, device="cpu"):
     bad = [name for name, t in gm.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise RunError(f"checkpoint {path} has non-finite weights ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
-    return gm.to(device).eval(), dict(cfg, pairs=ckpt.get("pairs", cfg["train"]["pairs"]))   # pairs trained at
+    return gm.to(device).eval(), dict(cfg, pairs=ckpt.get("pairs", cfg["train"]["pairs"]),   # pairs trained at
+                                      weights=ckpt.get("weights", "trained"))   # or train.py --ema's average
 
 
 @torch.no_grad()
@@ -173,7 +174,8 @@ def main(argv=None):
         results = evaluate_ks(gm, task, sorted(set(K_list)), device)
     except RunError as e:
         sys.exit(f"eval.py: error: {e}")
-    print(f"{args.ckpt}: {pairs} pairs, {len(task.eval[0])} held-out samples, trained with K={cfg['gradmem']['K']}")
+    print(f"{args.ckpt}: {pairs} pairs, {len(task.eval[0])} held-out samples, trained with K={cfg['gradmem']['K']}"
+          + (", the averaged weights (train.py --ema)" if cfg["weights"] == "ema" else ""))
     print(f"{'K_eval':>6} {'EM':>7} {'tok acc':>8} {'L_write':>8} {'key':>7} {'value':>7} {'sep':>7}")
     for r in results:
         wl = " ".join(f"{r[f'write_loss_{n}']:>{w}.4f}" if f"write_loss_{n}" in r else f"{'-':>{w}}"   # baselines:
@@ -187,7 +189,7 @@ def main(argv=None):
         print(f"K_eval={r['K_eval']}: EM {e0:.4f} where no other key shares a character with the queried one "
               f"({n0} samples), {e1:.4f} where one does ({n1})")
     with open(out + ".tmp", "w") as f:
-        json.dump(dict(ckpt=args.ckpt, pairs=pairs, n_eval=len(task.eval[0]), K_train=cfg["gradmem"]["K"],
+        json.dump(dict(ckpt=args.ckpt, weights=cfg["weights"], pairs=pairs, n_eval=len(task.eval[0]), K_train=cfg["gradmem"]["K"],
                        alpha=gm.cfg.alpha if isinstance(gm, GradMem) else None,
                        results=results), f, indent=1)
     os.replace(out + ".tmp", out)

@@ -53,6 +53,12 @@ def wall_minutes(ev):
     return out
 
 
+def best_em(rec):
+    """An evaluation's EM: of the trained weights, or of their average (train.py --ema) where that is higher, as
+    train.py picks best.pt."""
+    return max(rec["em"], rec.get("ema_em", -1.0))
+
+
 def stage_changes(recs):
     """The curriculum's stage records (train.py --curriculum_em), each with the step and the new number of pairs."""
     return [r for r in recs if r.get("kind") == "stage"]
@@ -69,6 +75,11 @@ def plot_curves(paths, out):
         lab = label_of(path, recs)
         line, = ax1.plot([r["step"] for r in ev], [100 * r["em"] for r in ev], label=lab, color=colors[i % len(colors)])
         ax2.plot(wall_minutes(ev), [100 * r["em"] for r in ev], label=lab, color=line.get_color())
+        avg = [r for r in ev if "ema_em" in r]         # train.py --ema: the averaged weights, dashed
+        if avg:
+            ax1.plot([r["step"] for r in avg], [100 * r["ema_em"] for r in avg], ls="--", lw=1, color=line.get_color(),
+                     label=f"{lab} (averaged weights)")
+            ax2.plot(wall_minutes(avg), [100 * r["ema_em"] for r in avg], ls="--", lw=1, color=line.get_color())
         for r in stage_changes(recs):      # --curriculum_em: where the run moved on to more pairs
             ax1.axvline(r["step"], ls=":", lw=0.8, color=line.get_color())
             ax1.annotate(f" N={r['pairs']}", (r["step"], 0.02), xycoords=("data", "axes fraction"), fontsize=7,
@@ -115,7 +126,7 @@ def memsize_points(paths):
         ev = [r for r in recs if r.get("kind") == "eval" and r.get("pairs", t["pairs"]) == t["pairs"]]
         if not ev:
             raise ValueError(f"{path}: no eval records at {t['pairs']} pairs")
-        points.setdefault((t["pairs"], g["K"]), []).append((g["n_mem"], max(r["em"] for r in ev)))
+        points.setdefault((t["pairs"], g["K"]), []).append((g["n_mem"], max(best_em(r) for r in ev)))
     return {key: sorted(v) for key, v in sorted(points.items())}
 
 

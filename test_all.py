@@ -1062,10 +1062,60 @@ def test_resume_is_exact(tmp_path):
     a = torch.load(os.path.join(full, "ckpt.pt"), weights_only=True)
     b = torch.load(os.path.join(part, "ckpt.pt"), weights_only=True)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert a["ema"]["n"] == b["ema"]["n"] == 4                                # --ema: the average resumes too
+    assert all(torch.equal(a["ema"]["avg"][k], b["ema"]["avg"][k]) for k in a["ema"]["avg"])
     steps = [json.loads(l).get("step") for l in open(os.path.join(part, "log.jsonl"))]
     assert steps.count(3) == 1 and steps.count(4) == 2                       # one train and one eval record
     heads = [json.loads(l) for l in open(os.path.join(part, "log.jsonl")) if '"header"' in l]
     assert [h["resumed_at"] for h in heads] == [0, 2] and "--resume" in heads[1]["argv"]   # both segments recorded
+
+
+def test_weight_ema_is_the_warmed_up_exponential_average():
+    # train.WeightEMA against the recurrence written out by hand: avg_n = d_n avg_{n-1} + (1 - d_n) w_n,
+    # d_n = min(decay, (1 + n) / (10 + n)), avg_0 = w_0; swapped() evaluates with avg and restores w exactly
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    ema = train.WeightEMA(net, 0.9)
+    ref = {k: p.detach().double().clone() for k, p in net.named_parameters()}
+    for n in range(1, 100):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update(net)
+        d = min(0.9, (1 + n) / (10 + n))
+        ref = {k: d * ref[k] + (1 - d) * p.detach().double() for k, p in net.named_parameters()}
+    assert ema.n == 99 and d == 0.9                   # the warm-up ends at n = 80: (1 + n) / (10 + n) = 0.9
+    assert all(torch.allclose(ema.avg[k].double(), ref[k], atol=1e-5) for k in ref)
+    w = {k: p.detach().clone() for k, p in net.named_parameters()}
+    x = torch.randn(4, 3)
+    with ema.swapped(net):
+        assert torch.allclose(net(x).double(), x.double() @ ref["weight"].T + ref["bias"], atol=1e-5)
+    assert all(torch.equal(p, w[k]) for k, p in net.named_parameters())
+
+
+def test_best_checkpoint_holds_the_averaged_weights_when_they_score_higher(tmp_path, monkeypatch):
+    # held-out EM is faked: the trained weights score 0.5, the averaged ones 0.6 (evaluate is called in that order)
+    calls = []
+    monkeypatch.setattr(train, "evaluate", lambda gm, task, K, device: calls.append(1) or dict(
+        em=0.6 if len(calls) % 2 == 0 else 0.5, acc=1.0, write_loss0=0.0))
+    out = str(tmp_path / "ema")
+    train.main(SMALL + ["--K=1", "--max_steps=1", "--eval_interval=1", f"--out_dir={out}"])
+    best, ck = (torch.load(os.path.join(out, n), weights_only=True) for n in ("best.pt", "ckpt.pt"))
+    assert best["weights"] == "ema" and best["best_em"] == 0.6 and ck["ema"]["n"] == 1
+    assert all(torch.equal(best["model"][k], ck["ema"]["avg"][k]) for k in ck["ema"]["avg"])
+    assert not all(torch.equal(best["model"][k], ck["model"][k]) for k in ck["ema"]["avg"])
+    ev = [json.loads(l) for l in open(os.path.join(out, "log.jsonl")) if '"eval"' in l]
+    assert [(r["em"], r["ema_em"]) for r in ev] == [(0.5, 0.6)]
+    assert plot.best_em(ev[0]) == 0.6
+    assert json.load(open(eval_script.main([os.path.join(out, "best.pt"), f"--out={tmp_path}/e.json"]) and
+                          f"{tmp_path}/e.json"))["weights"] == "ema"
+    plot.main(["curves", os.path.join(out, "log.jsonl"), "-o", str(tmp_path / "c.png")])   # draws both lines
+    calls.clear()
+    off = str(tmp_path / "off")                       # --ema 0: one evaluation, the trained weights
+    train.main(SMALL + ["--K=1", "--max_steps=1", "--eval_interval=1", "--ema=0", f"--out_dir={off}"])
+    best, ck = (torch.load(os.path.join(off, n), weights_only=True) for n in ("best.pt", "ckpt.pt"))
+    assert len(calls) == 1 and best["weights"] == "trained" and "ema" not in ck
+    assert all(torch.equal(best["model"][k], ck["model"][k]) for k in ck["model"])
 
 
 def test_resume_never_overwrites_a_better_best_checkpoint(tmp_path):
@@ -1237,6 +1287,7 @@ def test_bad_input_fails_cleanly_and_keeps_checkpoints(tmp_path, monkeypatch):
     run_fails(SMALL + [f"--out_dir={tmp_path}/y", f"--init_from={ck}", "--n_layer=2"], "n_layer")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--alpha=inf"], "--alpha")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--min_lr=1"], "--min_lr")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--ema=1"], "--ema")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--profile"], "--bench")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--n_eval=0"], "--n_eval")
     run_fails(SMALL + [f"--out_dir={tmp_path}/x", "--curriculum_em=1.5"], "--curriculum_em")

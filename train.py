@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -51,6 +51,9 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (the authors': 0; 0.01 before "
                                                                "session 10)"})
     grad_clip: float = 1.0
+    ema: float = field(default=0.999, metadata={"help": "decay of an exponential moving average of the weights "
+                       "(Polyak averaging, restarted at each curriculum stage), evaluated beside the trained weights; "
+                       "best.pt holds whichever scores higher (0: off)"})
     max_steps: int = 20000
     eval_interval: int = 250
     log_interval: int = 50
@@ -97,6 +100,8 @@ class TrainConfig:
             raise ValueError(f"--n_eval must be >= 1, got {self.n_eval}")
         if not 0 <= self.curriculum_em <= 1:
             raise ValueError(f"--curriculum_em must be in [0, 1], got {self.curriculum_em}")
+        if not 0 <= self.ema < 1:
+            raise ValueError(f"--ema must be in [0, 1), got {self.ema}")
         if not self.grad_clip > 0 or self.patience < 0 or not 0 <= self.weight_decay < float("inf"):
             raise ValueError(f"--grad_clip must be > 0, --patience and --weight_decay >= 0, got {self.grad_clip}, "
                              f"{self.patience}, {self.weight_decay}")
@@ -143,6 +148,51 @@ def lr_at(step, tcfg, decay_from=0):
         return tcfg.lr
     t = min(1.0, max(0, step - max(tcfg.warmup, decay_from)) / tcfg.decay_steps)
     return tcfg.min_lr + 0.5 * (tcfg.lr - tcfg.min_lr) * (1 + math.cos(math.pi * t))
+
+
+class WeightEMA:
+    """--ema: an exponential moving average of the trained weights (Polyak averaging). At a constant lr the weights
+    wander around a minimum with the batch noise of their gradient; their average sits nearer it, which is what a
+    decayed lr buys, without stopping the climb. The decay is warmed up as min(ema, (1 + n) / (10 + n)) over the n
+    updates since the last reset (TensorFlow's ExponentialMovingAverage), so a fresh average follows the weights
+    closely and settles to --ema's horizon of 1 / (1 - ema) steps."""
+
+    def __init__(self, gm, decay):
+        self.decay = decay
+        self.reset(gm)
+
+    def reset(self, gm):
+        self.n, self.avg = 0, {k: p.detach().clone() for k, p in gm.named_parameters()}
+
+    @torch.no_grad()
+    def update(self, gm):
+        self.n += 1
+        d = min(self.decay, (1 + self.n) / (10 + self.n))
+        for k, p in gm.named_parameters():
+            self.avg[k].lerp_(p, 1 - d)                       # avg <- d avg + (1 - d) p
+
+    @contextmanager
+    def swapped(self, gm):
+        """The model with the averaged weights in place (the same tensors, so a compiled step is not retraced)."""
+        params = dict(gm.named_parameters())
+        kept = {k: p.detach().clone() for k, p in params.items()}
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(self.avg[k])
+        try:
+            yield gm
+        finally:
+            with torch.no_grad():
+                for k, p in params.items():
+                    p.copy_(kept[k])
+
+    def state_dict(self):
+        return {"n": self.n, "avg": self.avg}
+
+    def load_state_dict(self, state, path):
+        if state["avg"].keys() != self.avg.keys():
+            raise RunError(f"checkpoint {path}: its --ema average does not fit this run's model")
+        self.n, self.avg = int(state["n"]), {k: v.clone() for k, v in state["avg"].items()}
 
 
 class RunError(Exception):
@@ -234,13 +284,17 @@ def init_from(gm, path, cfgs):
     load_state(gm, state, path)
 
 
-def save_checkpoint(path, gm, opt, step, best_em, cfgs, pairs, since_best=0, last_stage_from=0):
+def save_checkpoint(path, gm, opt, step, best_em, cfgs, pairs, since_best=0, last_stage_from=0, ema=None,
+                    weights="trained"):
     """pairs: the number of pairs trained at (a curriculum stage below --pairs, or --pairs); since_best: evaluations
     without a better EM (--patience counts on across --resume); last_stage_from: the step the curriculum's last stage
-    began (--decay_steps starts there)."""
+    began (--decay_steps starts there); ema: the WeightEMA to resume; weights: which weights "model" holds
+    ("trained", or "ema" for a best.pt whose averaged weights scored higher)."""
     ckpt = {"model": gm.state_dict(), "optimizer": opt.state_dict(), "step": step, "best_em": best_em,
-            "since_best": since_best, "last_stage_from": last_stage_from,
+            "since_best": since_best, "last_stage_from": last_stage_from, "weights": weights,
             "pairs": pairs, "config": {k: asdict(c) for k, c in cfgs.items()}, "rng": torch.get_rng_state()}
+    if ema is not None:
+        ckpt["ema"] = ema.state_dict()
     torch.save(ckpt, path + ".tmp")
     os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written checkpoint
 
@@ -470,6 +524,7 @@ def run(cfgs, argv):
         compile_write(gm)
     opt = torch.optim.AdamW(gm.parameters(), lr=tcfg.lr, betas=(0.9, 0.999), weight_decay=tcfg.weight_decay)
     ckpt_path, step, best_em, since_best, last_stage_from = os.path.join(tcfg.out_dir, "ckpt.pt"), 0, -1.0, 0, 0
+    ema = None
     for old in (ckpt_path, os.path.join(tcfg.out_dir, "best.pt")):   # --init_from included: never overwrite a run
         if not tcfg.resume and not tcfg.bench and os.path.exists(old):
             raise RunError(f"{old} exists: pass --resume to continue that run, or choose another --out_dir")
@@ -491,6 +546,10 @@ def run(cfgs, argv):
                 best_em = max(best_em, best["best_em"])
     elif tcfg.init_from:
         init_from(gm, tcfg.init_from, cfgs)
+    if tcfg.ema and not tcfg.bench:
+        ema = WeightEMA(gm, tcfg.ema)                 # from the weights trained on (a checkpoint's, if any)
+        if tcfg.resume and "ema" in ckpt:             # a checkpoint from before --ema: the average starts here
+            ema.load_state_dict(ckpt["ema"], ckpt_path)
     if tcfg.bench:
         return bench(gm, opt, task, tcfg, gcfg, device, autocast, make_graphed(gm, task, tcfg, device, autocast),
                      one["ctx"].size(1))
@@ -537,6 +596,8 @@ def run(cfgs, argv):
         for g in opt.param_groups:
             g["lr"] = lr
         logs = train_step(gm, opt, task, step, tcfg, device, autocast, graphed)
+        if ema is not None:
+            ema.update(gm)
         done = step + 1
         if done % tcfg.log_interval == 0:
             rec = dict(kind="train", step=done, pairs=pairs, lr=lr, time=time.time() - t0, **logs)
@@ -548,26 +609,37 @@ def run(cfgs, argv):
                 raise RunError(f"non-finite weights after step {done}; stopped without saving (try a smaller --lr)")
             last = dict(kind="eval", step=done, pairs=pairs, K_eval=K_eval, time=time.time() - t0,
                         **evaluate(gm, task, K_eval, device))
+            if ema is not None:                       # the averaged weights on the same held-out set
+                with ema.swapped(gm):
+                    avg = evaluate(gm, task, K_eval, device)
+                last.update(ema_em=avg["em"], ema_acc=avg["acc"])
+            use_ema = ema is not None and last["ema_em"] > last["em"]
+            em = last["ema_em"] if use_ema else last["em"]       # the better of the two decides from here on
             log(last)
             tqdm.write(f"eval step {done} ({pairs} pairs): EM {last['em']:.4f} | token acc {last['acc']:.4f} | "
-                       f"WRITE loss(M_0) {last['write_loss0']:.3f}")
-            if last["em"] > best_em:
-                best_em, since_best = last["em"], 0
-                save_checkpoint(os.path.join(tcfg.out_dir, "best.pt"), gm, opt, done, best_em, cfgs, pairs)
+                       f"WRITE loss(M_0) {last['write_loss0']:.3f}"
+                       + (f" | averaged weights: EM {last['ema_em']:.4f}" if ema is not None else ""))
+            if em > best_em:
+                best_em, since_best = em, 0
+                with ema.swapped(gm) if use_ema else nullcontext():
+                    save_checkpoint(os.path.join(tcfg.out_dir, "best.pt"), gm, opt, done, best_em, cfgs, pairs,
+                                    weights="ema" if use_ema else "trained")
             else:
                 since_best += 1
-            if pairs < tcfg.pairs and last["em"] >= tcfg.curriculum_em:     # curriculum: on to the next stage
+            if pairs < tcfg.pairs and em >= tcfg.curriculum_em:     # curriculum: on to the next stage
                 keep = os.path.join(tcfg.out_dir, f"best_n{pairs}.pt")      # the stage's best, kept; best.pt stays
                 shutil.copyfile(os.path.join(tcfg.out_dir, "best.pt"), keep + ".tmp")   # until the next stage's
                 os.replace(keep + ".tmp", keep)                                         # first evaluation
                 pairs = stages[stages.index(pairs) + 1]
                 task, best_em, since_best, last_stage_from = stage(pairs), -1.0, 0, done
+                if ema is not None:
+                    ema.reset(gm)                     # the new stage's average starts from the trained weights
                 graphed = None                        # free the old graph's memory pool before capturing anew
                 graphed = make_graphed(gm, task, tcfg, device, autocast)
                 log(dict(kind="stage", step=done, pairs=pairs, time=time.time() - t0))
                 tqdm.write(f"curriculum: {pairs} pairs from step {done}")
-            save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs, pairs, since_best, last_stage_from)
-            if last["pairs"] == tcfg.pairs and last["em"] >= tcfg.target_em:
+            save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs, pairs, since_best, last_stage_from, ema)
+            if last["pairs"] == tcfg.pairs and em >= tcfg.target_em:
                 tqdm.write(f"reached target EM {tcfg.target_em} at step {done} ({time.time() - t0:.0f} s)")
                 break
             if tcfg.patience and since_best >= tcfg.patience:
