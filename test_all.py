@@ -1110,6 +1110,14 @@ def test_best_checkpoint_holds_the_averaged_weights_when_they_score_higher(tmp_p
     assert json.load(open(eval_script.main([os.path.join(out, "best.pt"), f"--out={tmp_path}/e.json"]) and
                           f"{tmp_path}/e.json"))["weights"] == "ema"
     plot.main(["curves", os.path.join(out, "log.jsonl"), "-o", str(tmp_path / "c.png")])   # draws both lines
+    calls.clear()                                     # the average far below the trained weights: restarted
+    monkeypatch.setattr(train, "evaluate", lambda gm, task, K, device: calls.append(1) or dict(
+        em=0.2 if len(calls) % 2 == 0 else 0.9, acc=1.0, write_loss0=0.0))
+    low = str(tmp_path / "low")
+    train.main(SMALL + ["--K=1", "--max_steps=2", "--eval_interval=2", f"--out_dir={low}"])
+    ck = torch.load(os.path.join(low, "ckpt.pt"), weights_only=True)
+    assert ck["ema"]["n"] == 2 and all(torch.equal(ck["ema"]["avg"][k], ck["model"][k]) for k in ck["ema"]["avg"])
+    assert [r.get("ema_reset") for r in map(json.loads, open(os.path.join(low, "log.jsonl"))) if r["kind"] == "eval"] == [True]
     calls.clear()
     off = str(tmp_path / "off")                       # --ema 0: one evaluation, the trained weights
     train.main(SMALL + ["--K=1", "--max_steps=1", "--eval_interval=1", "--ema=0", f"--out_dir={off}"])

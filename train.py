@@ -118,6 +118,7 @@ RESUMABLE = {"K_eval", "attn", "grad_accum", "max_steps", "eval_interval", "log_
              "out_dir", "write_split", "curriculum_em"}
 
 
+EMA_RESET = 0.05  # --ema: the average restarts from the trained weights when its held-out EM is this far below theirs
 TOKEN_STEPS = 40_000  # auto --grad_accum budget: 64 pairs, K = 5 -> micro-batch 16, 8.3 GB peak RSS (README)
 
 
@@ -155,14 +156,18 @@ class WeightEMA:
     wander around a minimum with the batch noise of their gradient; their average sits nearer it, which is what a
     decayed lr buys, without stopping the climb. The decay is warmed up as min(ema, (1 + n) / (10 + n)) over the n
     updates since the last reset (TensorFlow's ExponentialMovingAverage), so a fresh average follows the weights
-    closely and settles to --ema's horizon of 1 / (1 - ema) steps."""
+    closely and settles to --ema's horizon of 1 / (1 - ema) steps. An average taken across a loss spike can be far
+    worse than both ends (session 19: 21.7 % held-out EM beside the trained weights' 96.7 %, 200 steps after the
+    spike), so train.py restarts it from the trained weights when it falls EMA_RESET below them."""
 
     def __init__(self, gm, decay):
         self.decay = decay
         self.reset(gm)
 
-    def reset(self, gm):
-        self.n, self.avg = 0, {k: p.detach().clone() for k, p in gm.named_parameters()}
+    def reset(self, gm, warmup=True):
+        """The average set to the trained weights; warmup=False keeps the decay where it is."""
+        self.avg = {k: p.detach().clone() for k, p in gm.named_parameters()}
+        self.n = 0 if warmup else self.n
 
     @torch.no_grad()
     def update(self, gm):
@@ -615,6 +620,9 @@ def run(cfgs, argv):
                 last.update(ema_em=avg["em"], ema_acc=avg["acc"])
             use_ema = ema is not None and last["ema_em"] > last["em"]
             em = last["ema_em"] if use_ema else last["em"]       # the better of the two decides from here on
+            if ema is not None and last["ema_em"] < last["em"] - EMA_RESET:
+                ema.reset(gm, warmup=False)   # it averaged across a loss spike the trained weights have left behind
+                last["ema_reset"] = True
             log(last)
             tqdm.write(f"eval step {done} ({pairs} pairs): EM {last['em']:.4f} | token acc {last['acc']:.4f} | "
                        f"WRITE loss(M_0) {last['write_loss0']:.3f}"
