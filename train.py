@@ -52,8 +52,8 @@ class TrainConfig:
                                                                "session 10)"})
     grad_clip: float = 1.0
     ema: float = field(default=0.999, metadata={"help": "decay of an exponential moving average of the weights "
-                       "(Polyak averaging, restarted at each curriculum stage), evaluated beside the trained weights; "
-                       "best.pt holds whichever scores higher (0: off)"})
+                       "(Polyak averaging, restarted at each curriculum stage and when it scores EMA_RESET below the "
+                       "trained weights), evaluated beside them; best.pt holds whichever scores higher (0: off)"})
     max_steps: int = 20000
     eval_interval: int = 250
     log_interval: int = 50
