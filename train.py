@@ -69,7 +69,9 @@ class TrainConfig:
     write_split: int = field(default=0, metadata={"help": "write N train samples and the eval set to out_dir as JSONL, then exit"})
     out_dir: str = "out"
     resume: bool = False
-    init_from: str = field(default="", metadata={"help": "start from this checkpoint's weights (curriculum over --pairs)"})
+    init_from: str = field(default="", metadata={"help": "start from this checkpoint's weights (curriculum over --pairs); "
+                           "steps count from 0 again and batches are keyed by (--seed, step), so at the same --pairs and "
+                           "--seed batches the start was trained on come again: pass another --seed for fresh ones"})
     device: str = field(default="auto", metadata={"choices": ["auto", "cpu", "cuda"]})
     dtype: str = field(default="float32", metadata={"choices": ["float32", "bfloat16"]})
     seed: int = 0
