@@ -1095,6 +1095,24 @@ def test_weight_ema_is_the_warmed_up_exponential_average():
     assert all(torch.equal(p, w[k]) for k, p in net.named_parameters())
 
 
+def test_weight_ema_state_loads_into_the_runs_own_tensors():
+    # a checkpoint's average arrives as CPU tensors; it is copied into the tensors the run made beside its model (on a
+    # GPU there: session 28's resume on CUDA crashed in update() when load_state_dict replaced them), here seen as
+    # float64 state landing in the model's float32 tensors, the same objects as before; a wrong shape is refused
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    ema = train.WeightEMA(net, 0.9)
+    held = {k: v for k, v in ema.avg.items()}
+    state = {"n": 7, "avg": {k: torch.randn(v.shape, dtype=torch.float64) for k, v in ema.avg.items()}}
+    ema.load_state_dict(state, "ckpt.pt")
+    assert ema.n == 7 and all(ema.avg[k] is held[k] and ema.avg[k].dtype == torch.float32 for k in held)
+    assert all(torch.allclose(ema.avg[k].double(), state["avg"][k], atol=1e-7) for k in held)
+    ema.update(net)                                   # and the run goes on with it
+    bad = {"n": 1, "avg": dict(state["avg"], weight=torch.zeros(3, 3))}
+    with pytest.raises(train.RunError, match="--ema average does not fit"):
+        ema.load_state_dict(bad, "ckpt.pt")
+
+
 def test_best_checkpoint_holds_the_averaged_weights_when_they_score_higher(tmp_path, monkeypatch):
     # held-out EM is faked: the trained weights score 0.5, the averaged ones 0.6 (evaluate is called in that order)
     calls = []

@@ -197,9 +197,13 @@ class WeightEMA:
         return {"n": self.n, "avg": self.avg}
 
     def load_state_dict(self, state, path):
-        if state["avg"].keys() != self.avg.keys():
+        """Copied into this run's tensors: a checkpoint is loaded on the CPU, and a run may resume on a GPU."""
+        if state["avg"].keys() != self.avg.keys() or any(v.shape != self.avg[k].shape for k, v in state["avg"].items()):
             raise RunError(f"checkpoint {path}: its --ema average does not fit this run's model")
-        self.n, self.avg = int(state["n"]), {k: v.clone() for k, v in state["avg"].items()}
+        with torch.no_grad():
+            for k, v in state["avg"].items():
+                self.avg[k].copy_(v)
+        self.n = int(state["n"])
 
 
 class RunError(Exception):
