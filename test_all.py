@@ -9,7 +9,9 @@ import json
 import math
 import os
 import re
+import runpy
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -1129,6 +1131,12 @@ def test_best_checkpoint_holds_the_averaged_weights_when_they_score_higher(tmp_p
     assert plot.best_em(ev[0]) == 0.6
     eval_script.main([os.path.join(out, "best.pt"), f"--out={tmp_path}/e.json"])
     assert json.load(open(f"{tmp_path}/e.json"))["weights"] == "ema"                # eval.py says which weights
+    # results/gpu/ema_of_ckpt.py: the average held in ckpt.pt, written as the checkpoint train.py itself saved as best.pt
+    monkeypatch.setattr(sys, "argv", ["ema_of_ckpt.py", os.path.join(out, "ckpt.pt"), f"{tmp_path}/final_ema.pt"])
+    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu", "ema_of_ckpt.py"))
+    final = torch.load(f"{tmp_path}/final_ema.pt", weights_only=True)
+    assert final["weights"] == "ema" and final["model"].keys() == best["model"].keys()
+    assert all(torch.equal(final["model"][k], best["model"][k]) for k in best["model"])
     plot.main(["curves", os.path.join(out, "log.jsonl"), "-o", str(tmp_path / "c.png")])   # draws both lines
     calls.clear()                                     # the average far below the trained weights: restarted
     monkeypatch.setattr(train, "evaluate", lambda gm, task, K, device: calls.append(1) or dict(
