@@ -23,21 +23,35 @@ from model import GPTConfig
 from train import RunError, TrainConfig, build, load_checkpoint, one_line, set_pairs
 
 
-def load_model(path, device="cpu"):
-    """Rebuild the model of a checkpoint from its stored config alone."""
+def load_model(path, device="cpu", weights="saved"):
+    """Rebuild the model of a checkpoint from its stored config alone. weights="saved": the weights its model entry
+    holds (a best.pt: whichever of the trained and averaged weights scored higher; a ckpt.pt: the trained ones);
+    "ema": the averaged weights (train.py --ema) a ckpt.pt keeps beside them, e.g. the last ones of a run, which no
+    held-out evaluation chose."""
     ckpt = load_checkpoint(path)
     cfg = ckpt["config"]
+    if weights == "ema" and "ema" not in ckpt:
+        raise RunError(f"--weights ema: {path} keeps no averaged weights (only a train.py ckpt.pt of a run with --ema "
+                       f"does; this one's model entry holds the {ckpt.get('weights', 'trained')} weights)")
     try:
         gm = build(dict(model=GPTConfig(**cfg["model"]), gradmem=GradMemConfig(**cfg["gradmem"]),
                         train=TrainConfig(**cfg["train"])))
         gm.load_state_dict(ckpt["model"])
+        if weights == "ema":                      # into the parameters, as train.py's WeightEMA.swapped puts them
+            avg, params = ckpt["ema"]["avg"], dict(gm.named_parameters())
+            if avg.keys() != params.keys():
+                raise KeyError(f"its averaged weights name {sorted(avg.keys() ^ params.keys())[:3]}, not the model's")
+            with torch.no_grad():
+                for k, p in params.items():
+                    p.copy_(avg[k])
     except (TypeError, ValueError, RuntimeError, KeyError) as e:
         raise RunError(f"checkpoint {path} does not rebuild its model: {one_line(e)}") from None
     bad = [name for name, t in gm.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise RunError(f"checkpoint {path} has non-finite weights ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
     return gm.to(device).eval(), dict(cfg, pairs=ckpt.get("pairs", cfg["train"]["pairs"]),   # pairs trained at
-                                      weights=ckpt.get("weights", "trained"))   # or train.py --ema's average
+                                      weights=weights if weights == "ema" else ckpt.get("weights", "trained"),
+                                      step=ckpt["step"])
 
 
 @torch.no_grad()
@@ -139,6 +153,11 @@ def main(argv=None):
     p.add_argument("--n_eval", type=int, default=None, help="held-out samples (default: the trained --n_eval; "
                    "another value or --pairs draws a set training did not exclude: at 1 pair a few percent "
                    "of it may repeat training contexts)")
+    p.add_argument("--eval_seed", type=int, default=None, help="draw the held-out set from this seed (default: the "
+                   "trained --eval_seed, the set best.pt was picked on; another seed gives a set nothing was chosen "
+                   "on: --eval_seed 777 --n_eval 5000 is README's independent 8-pair set)")
+    p.add_argument("--weights", default="saved", choices=["saved", "ema"], help="saved: the checkpoint's model "
+                   "weights; ema: the averaged weights a ckpt.pt keeps (train.py --ema), e.g. a run's last ones")
     p.add_argument("--eval_file", default="", help="evaluate on this JSONL split")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", default="", help="JSON output (default: <ckpt dir>/eval.json)")
@@ -151,7 +170,9 @@ def main(argv=None):
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         if device == "cuda" and not torch.cuda.is_available():
             raise RunError("--device cuda but no CUDA device is available")
-        gm, cfg = load_model(args.ckpt, device)
+        if args.eval_seed is not None and (args.eval_seed < 0 or args.eval_file):
+            raise RunError(f"--eval_seed must be >= 0 and excludes --eval_file, got {args.eval_seed}")
+        gm, cfg = load_model(args.ckpt, device, args.weights)
         tc = cfg["train"]
         K_list = args.K_eval or [cfg["gradmem"]["K"] if cfg["gradmem"]["K_eval"] < 0 else cfg["gradmem"]["K_eval"]]
         if args.alpha is not None:
@@ -167,14 +188,15 @@ def main(argv=None):
             print(f"note: {args.ckpt} is from the curriculum's {cfg['pairs']}-pair stage of a --pairs {tc['pairs']} "
                   f"run; evaluating at {cfg['pairs']} pairs (--pairs to choose)")
         try:
-            task = KVTask(pairs, tc["seed"], tc["eval_seed"], args.n_eval or tc["n_eval"], eval_file=args.eval_file or None)
+            eval_seed = tc["eval_seed"] if args.eval_seed is None else args.eval_seed
+            task = KVTask(pairs, tc["seed"], eval_seed, args.n_eval or tc["n_eval"], eval_file=args.eval_file or None)
         except (ValueError, OSError) as e:
             raise RunError(str(e)) from None
         set_pairs(gm, pairs)
         results = evaluate_ks(gm, task, sorted(set(K_list)), device)
     except RunError as e:
         sys.exit(f"eval.py: error: {e}")
-    print(f"{args.ckpt}: {pairs} pairs, {len(task.eval[0])} held-out samples, trained with K={cfg['gradmem']['K']}"
+    print(f"{args.ckpt} (step {cfg['step']}): {pairs} pairs, {len(task.eval[0])} held-out samples, trained with K={cfg['gradmem']['K']}"
           + (", the averaged weights (train.py --ema)" if cfg["weights"] == "ema" else ""))
     print(f"{'K_eval':>6} {'EM':>7} {'tok acc':>8} {'L_write':>8} {'key':>7} {'value':>7} {'sep':>7}")
     for r in results:
@@ -189,7 +211,8 @@ def main(argv=None):
         print(f"K_eval={r['K_eval']}: EM {e0:.4f} where no other key shares a character with the queried one "
               f"({n0} samples), {e1:.4f} where one does ({n1})")
     with open(out + ".tmp", "w") as f:
-        json.dump(dict(ckpt=args.ckpt, weights=cfg["weights"], pairs=pairs, n_eval=len(task.eval[0]), K_train=cfg["gradmem"]["K"],
+        json.dump(dict(ckpt=args.ckpt, weights=cfg["weights"], step=cfg["step"], pairs=pairs, n_eval=len(task.eval[0]),
+                       eval_set=args.eval_file or f"eval_seed {eval_seed}", K_train=cfg["gradmem"]["K"],
                        alpha=gm.cfg.alpha if isinstance(gm, GradMem) else None,
                        results=results), f, indent=1)
     os.replace(out + ".tmp", out)

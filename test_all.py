@@ -1058,6 +1058,22 @@ def test_written_split_trains_byte_for_byte(tmp_path):
         torch.load(f"{tmp_path}/b/ckpt.pt", weights_only=True)["model"]["mem0"])
 
 
+def test_eval_seed_draws_the_set_train_py_writes_for_that_seed(tmp_path):
+    # eval.py --eval_seed S --n_eval N evaluates on the set `train.py --eval_seed S --n_eval N --write_split` writes
+    # (README's independent 8-pair set is S = 777, N = 5000), not on the set the checkpoint was picked on
+    run, split = str(tmp_path / "run"), str(tmp_path / "split")
+    train.main(SMALL + ["--K=1", "--max_steps=2", f"--out_dir={run}"])
+    train.main(SMALL + ["--write_split=1", "--eval_seed=777", "--n_eval=300", f"--out_dir={split}"])
+    ck = os.path.join(run, "ckpt.pt")
+    by_seed = eval_script.main([ck, "--eval_seed=777", "--n_eval=300", f"--out={tmp_path}/s.json"])
+    by_file = eval_script.main([ck, f"--eval_file={split}/eval.jsonl", f"--out={tmp_path}/f.json"])
+    trained_set = eval_script.main([ck, "--n_eval=300", f"--out={tmp_path}/t.json"])
+    assert by_seed == by_file and by_seed != trained_set
+    assert json.load(open(f"{tmp_path}/s.json"))["eval_set"] == "eval_seed 777"
+    with pytest.raises(SystemExit, match="--eval_seed must be >= 0 and excludes --eval_file"):
+        eval_script.main([ck, "--eval_seed=777", f"--eval_file={split}/eval.jsonl", f"--out={tmp_path}/x.json"])
+
+
 def test_resume_is_exact(tmp_path):
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     train.main(SMALL + ["--K=1", "--max_steps=4", f"--out_dir={full}"])
@@ -1137,6 +1153,15 @@ def test_best_checkpoint_holds_the_averaged_weights_when_they_score_higher(tmp_p
     final = torch.load(f"{tmp_path}/final_ema.pt", weights_only=True)
     assert final["weights"] == "ema" and final["model"].keys() == best["model"].keys()
     assert all(torch.equal(final["model"][k], best["model"][k]) for k in best["model"])
+    # eval.py --weights ema reads the same average straight from ckpt.pt: the same numbers as best.pt, and not the
+    # trained weights' numbers; best.pt keeps no average to read
+    ev_best = eval_script.main([os.path.join(out, "best.pt"), f"--out={tmp_path}/b.json", "--n_eval=200"])
+    ev_ema = eval_script.main([os.path.join(out, "ckpt.pt"), "--weights=ema", f"--out={tmp_path}/a.json", "--n_eval=200"])
+    ev_tr = eval_script.main([os.path.join(out, "ckpt.pt"), f"--out={tmp_path}/t.json", "--n_eval=200"])
+    assert ev_ema == ev_best and ev_tr != ev_best
+    assert json.load(open(f"{tmp_path}/a.json"))["weights"] == "ema" and json.load(open(f"{tmp_path}/t.json"))["weights"] == "trained"
+    with pytest.raises(SystemExit, match="--weights ema: .*best.pt keeps no averaged weights"):
+        eval_script.main([os.path.join(out, "best.pt"), "--weights=ema", f"--out={tmp_path}/x.json"])
     plot.main(["curves", os.path.join(out, "log.jsonl"), "-o", str(tmp_path / "c.png")])   # draws both lines
     calls.clear()                                     # the average far below the trained weights: restarted
     monkeypatch.setattr(train, "evaluate", lambda gm, task, K, device: calls.append(1) or dict(
