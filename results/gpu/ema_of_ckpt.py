@@ -1,5 +1,7 @@
 """The averaged weights (train.py --ema) of a run's ckpt.pt, written as a checkpoint that eval.py reads, so a run's
 last model can be evaluated without choosing it by its held-out EM (best.pt is chosen that way). Not used by train.py.
+Since session 31 `python eval.py RUN/ckpt.pt --weights ema` evaluates the same weights in one step (test_all.py checks both
+against the best.pt train.py saves).
 
     python results/gpu/ema_of_ckpt.py RUN/ckpt.pt OUT.pt
 """
