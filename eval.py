@@ -39,12 +39,12 @@ def load_model(path, device="cpu", weights="saved"):
         gm.load_state_dict(ckpt["model"])
         if weights == "ema":                      # into the parameters, as train.py's WeightEMA.swapped puts them
             avg, params = ckpt["ema"]["avg"], dict(gm.named_parameters())
-            if avg.keys() != params.keys():
-                raise KeyError(f"its averaged weights name {sorted(avg.keys() ^ params.keys())[:3]}, not the model's")
+            if avg.keys() != params.keys() or any(avg[k].shape != p.shape for k, p in params.items()):
+                raise KeyError("its averaged weights do not match the model's parameters in name or shape")
             with torch.no_grad():
                 for k, p in params.items():
                     p.copy_(avg[k])
-    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+    except (TypeError, ValueError, RuntimeError, KeyError, IndexError, AttributeError) as e:
         raise RunError(f"checkpoint {path} does not rebuild its model: {one_line(e)}") from None
     bad = [name for name, t in gm.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
@@ -170,8 +170,10 @@ def main(argv=None):
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         if device == "cuda" and not torch.cuda.is_available():
             raise RunError("--device cuda but no CUDA device is available")
-        if args.eval_seed is not None and (args.eval_seed < 0 or args.eval_file):
-            raise RunError(f"--eval_seed must be >= 0 and excludes --eval_file, got {args.eval_seed}")
+        if args.eval_seed is not None and args.eval_seed < 0:
+            raise RunError(f"--eval_seed must be >= 0, got {args.eval_seed}")
+        if args.eval_seed is not None and args.eval_file:
+            raise RunError("--eval_seed draws a held-out set and --eval_file reads one: give one of them")
         gm, cfg = load_model(args.ckpt, device, args.weights)
         tc = cfg["train"]
         K_list = args.K_eval or [cfg["gradmem"]["K"] if cfg["gradmem"]["K_eval"] < 0 else cfg["gradmem"]["K_eval"]]

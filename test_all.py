@@ -1070,8 +1070,11 @@ def test_eval_seed_draws_the_set_train_py_writes_for_that_seed(tmp_path):
     trained_set = eval_script.main([ck, "--n_eval=300", f"--out={tmp_path}/t.json"])
     assert by_seed == by_file and by_seed != trained_set
     assert json.load(open(f"{tmp_path}/s.json"))["eval_set"] == "eval_seed 777"
-    with pytest.raises(SystemExit, match="--eval_seed must be >= 0 and excludes --eval_file"):
+    assert json.load(open(f"{tmp_path}/s.json"))["step"] == 2
+    with pytest.raises(SystemExit, match="--eval_seed draws a held-out set and --eval_file reads one"):
         eval_script.main([ck, "--eval_seed=777", f"--eval_file={split}/eval.jsonl", f"--out={tmp_path}/x.json"])
+    with pytest.raises(SystemExit, match="--eval_seed must be >= 0, got -1"):
+        eval_script.main([ck, "--eval_seed=-1", f"--out={tmp_path}/x.json"])
 
 
 def test_resume_is_exact(tmp_path):

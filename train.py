@@ -660,14 +660,15 @@ def run(cfgs, argv):
                 tqdm.write(f"no better EM for {tcfg.patience} evaluations: stopping at step {done}")
                 break
     bar.close()
-    if pairs == tcfg.pairs and last is not None:
+    trained_at = last["pairs"] if last is not None else pairs     # a stage entered at the last evaluation: not trained
+    if trained_at == tcfg.pairs:
         tqdm.write(f"best.pt is the best of {'both weights at ' if ema is not None else ''}every evaluation on the held-out "
-                   f"set it was scored on, so that score runs high (README, issue #2). Unbiased: python eval.py "
-                   f"{ckpt_path}{' --weights ema' if ema is not None else ''} --eval_seed {778 if tcfg.eval_seed == 777 else 777} "
-                   f"--n_eval 5000 (the "
-                   f"{'averaged' if ema is not None else 'trained'} weights of the last step, on a set nothing was picked on)")
-    if pairs < tcfg.pairs:
-        tqdm.write(f"note: stopped in the curriculum's {pairs}-pair stage, before --pairs {tcfg.pairs}; eval.py "
+                   f"set it was scored on, so that score tends to run high (README, issue #2). On a set nothing was picked "
+                   f"on: python eval.py {ckpt_path}{' --weights ema' if ema is not None else ''} --eval_seed "
+                   f"{778 if tcfg.eval_seed == 777 else 777} --n_eval 5000 (the {'averaged' if ema is not None else 'trained'} "
+                   f"weights of the last step; few pairs: the set may repeat some training contexts)")
+    if trained_at < tcfg.pairs:
+        tqdm.write(f"note: stopped in the curriculum's {trained_at}-pair stage, before --pairs {tcfg.pairs}; eval.py "
                    "evaluates a checkpoint at the pairs it was trained at; --resume continues the curriculum")
     return last
 
