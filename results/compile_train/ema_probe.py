@@ -11,7 +11,8 @@ averages, and every TRAINED_EVERY steps the trained weights, under OUT_DIR_probe
 checkpoint eval.py reads with --weights ema.
 
     python results/compile_train/ema_probe.py run --task kv --pairs 8 --K 1 --compile --out_dir out/kv8_s36
-    python results/compile_train/ema_probe.py make out/kv8_s36 STEP DECAY OUT.pt     # DECAY: 0.9995, 0.9998, ...
+    python results/compile_train/ema_probe.py make out/kv8_s36 STEP DECAY OUT.pt     # DECAY: 0.999, 0.9995, 0.9998
+    python results/compile_train/ema_probe.py make out/kv8_s36 last DECAY OUT.pt     # the averages in ckpt.pt
     python results/compile_train/ema_probe.py make out/kv8_s36 FIRST:LAST swa OUT.pt # uniform average of the trained
                                                                                      # snapshots FIRST..LAST
     python eval.py OUT.pt --weights ema --eval_seed 777 --n_eval 5000 --out ...
@@ -89,6 +90,12 @@ def make(out_dir, which, decay, out):
             w = {k: v.double() for k, v in torch.load(p, weights_only=True)["avg"].items()}
             total = w if total is None else {k: total[k] + w[k] for k in total}
         avg, step = {k: (v / len(snaps)).float() for k, v in total.items()}, last
+    elif which == "last":                              # the averages ckpt.pt holds (its last evaluation)
+        own = {str(ckpt["config"]["train"]["ema"]): ckpt["ema"]["avg"]}
+        avgs = {**ckpt["ema"].get("extra", {}), **own}
+        if decay not in avgs:
+            sys.exit(f"{out_dir}/ckpt.pt holds decays {sorted(avgs)}, not {decay}")
+        avg, step = avgs[decay], ckpt["step"]
     else:
         snap = torch.load(os.path.join(probe, f"avgs_{which}.pt"), weights_only=True)
         if decay not in snap["avgs"]:
