@@ -65,6 +65,21 @@ def queried_pair(ctx, q):
     return hit.int().argmax(1)
 
 
+def more_queries(ctx, q, n):
+    """Every context asked n of its keys (train.py --queries): the sampled query's pair and the n-1 pairs after it,
+    cyclically. Returns q (B, n, 5) and y (B, n, 4); row [:, 0] is the sampled query. The sampled pair is uniform,
+    so each asked key is uniform too and the mean loss over the n has the one-query loss's expectation (Eq. 8)."""
+    B, N = ctx.shape[0], (ctx.shape[1] - 1) // 7
+    if not 1 <= n <= N:
+        raise ValueError(f"--queries must be in 1..{N} for {N}-pair contexts, got {n}")
+    pairs = ctx[:, :-1].reshape(B, N, 7)                                   # ! k k : v v !
+    which = (np.asarray(queried_pair(torch.as_tensor(ctx), torch.as_tensor(q)))[:, None] + np.arange(n)) % N
+    k1, k2, v1, v2 = (np.take_along_axis(pairs[:, :, i], which, 1) for i in (1, 2, 4, 5))
+    full = lambda tok: np.full((B, n), tok)
+    return (np.stack([full(QMARK), full(BANG), k1, k2, full(COLON)], axis=-1),
+            np.stack([v1, v2, full(BANG), full(BAR)], axis=-1))
+
+
 def key_overlap(ctx, q):
     """(B,) bool: another pair's key shares a character with the queried key (either character, either place),
     the samples where a write must tell similar keys apart."""
@@ -109,16 +124,21 @@ class KVTask:
             if overlap:
                 raise ValueError(f"{overlap} training contexts of {train_file} also occur in the eval set")
 
-    def train_batch(self, step, B, device="cpu"):
+    def train_batch(self, step, B, device="cpu", queries=1):
+        """Batch `step`; queries > 1 asks each context that many keys (more_queries): q (B, queries, 5), y (B, queries, 4).
+        The contexts and the first query are the same whatever `queries` is."""
         rng = np.random.default_rng([self.seed, step])
         if self.train is not None:
             idx = rng.integers(0, len(self.train[0]), size=B)
-            return to_batch(*(a[idx] for a in self.train), device=device)
-        ctx, q, y = sample_kv(rng, B, self.n_pairs)
-        for i in range(B):  # keep the held-out contexts out of training
-            while ctx[i].tobytes() in self.eval_contexts:
-                c, qq, yy = sample_kv(rng, 1, self.n_pairs)
-                ctx[i], q[i], y[i] = c[0], qq[0], yy[0]
+            ctx, q, y = (a[idx] for a in self.train)
+        else:
+            ctx, q, y = sample_kv(rng, B, self.n_pairs)
+            for i in range(B):  # keep the held-out contexts out of training
+                while ctx[i].tobytes() in self.eval_contexts:
+                    c, qq, yy = sample_kv(rng, 1, self.n_pairs)
+                    ctx[i], q[i], y[i] = c[0], qq[0], yy[0]
+        if queries > 1:
+            q, y = more_queries(ctx, q, queries)
         return to_batch(ctx, q, y, device=device)
 
     def eval_batches(self, B, device="cpu"):

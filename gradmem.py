@@ -75,10 +75,14 @@ class GradMem(nn.Module):
         return self.mem0.numel()                                   # m x d, whatever the context length (§2.2)
 
     def forward(self, ctx, q, y, K=None):
-        """Train/eval pass: WRITE ctx into memory, READ y from [M_K; q]. Returns the outer loss and parts."""
+        """Train/eval pass: WRITE ctx into memory, READ y from [M_K; q]. Returns the outer loss and parts.
+        q (B, n, 5) and y (B, n, 4) ask each context n keys; the task loss is then their mean, logits (B n, L, V)."""
         K = self.cfg.K if K is None else K
         mem, info = write(self, ctx, K)
-        task_loss, logits = read_loss(self.model, mem, q, y)
+        if q.dim() == 3:          # several queries per context (train.py --queries): each READs the same M_K
+            task_loss, logits = read_loss(self.model, mem.repeat_interleave(q.size(1), 0), q.flatten(0, 1), y.flatten(0, 1))
+        else:
+            task_loss, logits = read_loss(self.model, mem, q, y)
         loss = task_loss
         if self.training and K > 0 and self.cfg.aux_write > 0:
             loss = loss + self.cfg.aux_write * info["losses"][-1] / ctx.size(0)  # aux: L_write(M_{K-1}), batch mean

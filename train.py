@@ -51,6 +51,10 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (the authors': 0; 0.01 before "
                                                                "session 10)"})
     grad_clip: float = 1.0
+    queries: int = field(default=1, metadata={"help": "keys asked of each training context, all READ from its one M_K "
+                                                      "(0: every pair; capped at the stage's pairs). The mean loss has the "
+                                                      "one-query loss's expectation at lower variance; evaluation asks one "
+                                                      "(README, \"Several queries per context\")"})
     ema: float = field(default=0.999, metadata={"help": "decay of an exponential moving average of the weights "
                        "(Polyak averaging, restarted at each curriculum stage and when it scores EMA_RESET below the "
                        "trained weights), evaluated beside them; best.pt holds whichever scores higher (0: off)"})
@@ -93,7 +97,7 @@ class TrainConfig:
             raise ValueError("--profile profiles a --bench step: give --bench N as well")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr must be finite and > 0, got {self.lr}")
-        for name in ("warmup", "seed", "eval_seed", "bench", "write_split"):
+        for name in ("warmup", "seed", "eval_seed", "bench", "write_split", "queries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if self.decay_steps < 0 or not 0 <= self.min_lr <= self.lr:
@@ -439,16 +443,21 @@ def make_graphed(gm, task, tcfg, device, autocast):
         print("--cuda_graph: needs a CUDA device; skipped, running eagerly on CPU")
         return None
     micro = tcfg.batch_size // tcfg.grad_accum
-    batch = {k: v[:micro] for k, v in task.train_batch(0, tcfg.batch_size, device).items()}
+    batch = {k: v[:micro] for k, v in task.train_batch(0, tcfg.batch_size, device, n_queries(tcfg, task)).items()}
     graphed = GraphedStep(gm, batch, 1.0 / tcfg.grad_accum, autocast)
     gm.zero_grad(set_to_none=True)
     return graphed
 
 
+def n_queries(tcfg, task):
+    """--queries for the current curriculum stage: 0 means every pair; never more than the stage's pairs."""
+    return task.n_pairs if tcfg.queries == 0 else min(tcfg.queries, task.n_pairs)
+
+
 def train_step(gm, opt, task, step, tcfg, device, autocast, graphed=None):
     """One optimizer step on batch `step` (split into grad_accum micro-batches). Returns logged scalars.
     graphed: a GraphedStep that replaces each micro-batch's forward and backward (--cuda_graph)."""
-    batch = task.train_batch(step, tcfg.batch_size, device)
+    batch = task.train_batch(step, tcfg.batch_size, device, n_queries(tcfg, task))
     micro = tcfg.batch_size // tcfg.grad_accum
     logs = dict(loss=0.0, task_loss=0.0, write_loss=0.0, em=0.0, g_mem=0.0)
     for i in range(tcfg.grad_accum):
@@ -464,8 +473,9 @@ def train_step(gm, opt, task, step, tcfg, device, autocast, graphed=None):
                            "stopped without saving (try a smaller --alpha or --lr)")
         if graphed is None:
             (out["loss"] / tcfg.grad_accum).backward()
+        flat = [b[k].reshape(-1, b[k].size(-1)) for k in ("y", "y_mask")]      # one row per query
         for k, v in (("loss", out["loss"].item()), ("task_loss", out["task_loss"].item()), ("write_loss", wl),
-                     ("em", score(out["logits"], b["y"], b["y_mask"])[0] / b["y"].size(0)), ("g_mem", out["grad_norm"].item())):
+                     ("em", score(out["logits"], *flat)[0] / flat[0].size(0)), ("g_mem", out["grad_norm"].item())):
             logs[k] += v / tcfg.grad_accum
     norm = torch.nn.utils.clip_grad_norm_(gm.parameters(), tcfg.grad_clip)
     if not torch.isfinite(norm):
@@ -495,6 +505,8 @@ def run(cfgs, argv):
         raise RunError(f"--rmt_rec is RMT's reconstruction loss; this run trains --model {tcfg.model}")
     if gcfg.segment and tcfg.model != "armt":
         raise RunError(f"--segment splits ARMT's WRITE into segments; this run trains --model {tcfg.model}")
+    if tcfg.queries != 1 and tcfg.model != "gradmem":
+        raise RunError(f"--queries asks GradMem's one memory several keys; this run trains --model {tcfg.model}")
     if tcfg.compile and (tcfg.model != "gradmem" or gcfg.meta_grad != "second" or tcfg.cuda_graph):
         raise RunError(f"--compile compiles GradMem's second-order WRITE step; this run has --model {tcfg.model}, "
                        f"--meta_grad {gcfg.meta_grad}{', --cuda_graph' if tcfg.cuda_graph else ''}")
