@@ -785,6 +785,51 @@ def test_queried_key_is_uniform():
     assert counts.min() > 850 and counts.max() < 1150                # 1000 each, ~4.4 sigma band
 
 
+def test_more_queries_ask_distinct_keys_of_the_context():
+    """train.py --queries: every extra query asks a key of its own context, each row a different key, the first the
+    sampled query, and the targets are those keys' values (read back from the decoded text, not the id arrays)."""
+    task = data.KVTask(5, seed=1, n_eval=10)
+    one, many = task.train_batch(3, 40), task.train_batch(3, 40, queries=5)
+    assert torch.equal(one["ctx"], many["ctx"]) and torch.equal(one["q"], many["q"][:, 0]) and torch.equal(one["y"], many["y"][:, 0])
+    assert many["q"].shape == (40, 5, 5) and many["y_mask"].shape == (40, 5, 4) and many["y_mask"].sum() == 40 * 5 * 2
+    for c, qs, ys in zip(many["ctx"], many["q"], many["y"]):
+        pairs = dict(re.findall(r"!(..):(..)!", data.decode(c)))
+        asked = [data.decode(qq) for qq in qs]
+        assert all(re.fullmatch(r"\?!..:", a) for a in asked) and {a[2:4] for a in asked} == set(pairs)   # all 5 keys
+        assert all(pairs[a[2:4]] + "!|" == data.decode(yy) for a, yy in zip(asked, ys))
+    three = task.train_batch(3, 40, queries=3)
+    assert all(len({data.decode(qq) for qq in qs}) == 3 for qs in three["q"])
+    with pytest.raises(ValueError, match="--queries"):
+        data.more_queries(one["ctx"].numpy(), one["q"].numpy(), 6)
+
+
+def test_several_queries_loss_is_the_mean_of_one_query_losses():
+    """gradmem.forward with q (B, n, 5): the task loss and its second-order meta-gradient (K = 2, through the
+    unrolled WRITE) equal the mean over the n keys of n separate one-query passes, which Eq. (8) defines."""
+    b = data.KVTask(3, seed=2, n_eval=10).train_batch(0, 4, queries=3)
+    gm = tiny_gradmem(K=2, aux_write=0.0)
+    gm.train()
+    out = gm(b["ctx"], b["q"], b["y"])
+    g_all = torch.autograd.grad(out["task_loss"], list(gm.parameters()))
+    singles = [gm(b["ctx"], b["q"][:, j], b["y"][:, j])["task_loss"] for j in range(3)]
+    mean = sum(singles) / 3
+    g_mean = torch.autograd.grad(mean, list(gm.parameters()))
+    assert torch.allclose(out["task_loss"], mean, atol=1e-12)
+    assert all(torch.allclose(a, c, atol=1e-12, rtol=1e-9) and c.abs().max() > 0 for a, c in zip(g_all, g_mean))
+    assert out["logits"].shape[0] == 12 and torch.allclose(
+        out["logits"][1::3], gm(b["ctx"], b["q"][:, 1], b["y"][:, 1])["logits"], atol=1e-12)     # sample-major rows
+
+
+def test_queries_flag_trains_and_rejects_bad_values(tmp_path):
+    train.main(SMALL + ["--max_steps=2", "--queries=0", f"--out_dir={tmp_path}/q"])
+    assert json.loads(open(f"{tmp_path}/q/config.json").read())["config"]["train"]["queries"] == 0
+    for flags, msg in ((["--queries=-1"], "--queries must be >= 0"), (["--queries=2", "--model=transformer"], "--queries")):
+        with pytest.raises(SystemExit) as e:
+            train.main(SMALL + ["--max_steps=1", f"--out_dir={tmp_path}/bad"] + flags)
+        assert msg in str(e.value.code)                              # SystemExit(message): printed, exit status 1
+    assert not os.path.exists(f"{tmp_path}/bad/ckpt.pt")
+
+
 def test_pairs_validation():
     for bad in (0, -3, data.N_KEYS + 1):
         with pytest.raises(ValueError, match="--pairs"):
