@@ -54,7 +54,7 @@ class TrainConfig:
     queries: int = field(default=1, metadata={"help": "keys asked of each training context, all READ from its one M_K "
                                                       "(0: every pair; capped at the stage's pairs). The mean loss has the "
                                                       "one-query loss's expectation at lower variance; evaluation asks one "
-                                                      "(README, \"Several queries per context\")"})
+                                                      "(README, \"Several queries per training context\")"})
     ema: float = field(default=0.999, metadata={"help": "decay of an exponential moving average of the weights "
                        "(Polyak averaging, restarted at each curriculum stage and when it scores EMA_RESET below the "
                        "trained weights), evaluated beside them; best.pt holds whichever scores higher (0: off)"})
