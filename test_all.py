@@ -821,9 +821,20 @@ def test_several_queries_loss_is_the_mean_of_one_query_losses():
 
 
 def test_queries_flag_trains_and_rejects_bad_values(tmp_path):
-    train.main(SMALL + ["--max_steps=2", "--queries=0", f"--out_dir={tmp_path}/q"])
-    assert json.loads(open(f"{tmp_path}/q/config.json").read())["config"]["train"]["queries"] == 0
-    for flags, msg in ((["--queries=-1"], "--queries must be >= 0"), (["--queries=2", "--model=transformer"], "--queries")):
+    # the default: every key for GradMem, the one query for the models that refuse more
+    assert train.parse_args(["--pairs=8"])["train"].queries == 0
+    assert train.parse_args(["--pairs=8", "--model=transformer"])["train"].queries == 1
+    train.main(SMALL + ["--max_steps=2", "--queries=1", f"--out_dir={tmp_path}/q"])
+    assert json.loads(open(f"{tmp_path}/q/config.json").read())["config"]["train"]["queries"] == 1
+    # a checkpoint from before the flag trained one query: resuming it at the new default names the field
+    ckpt = torch.load(f"{tmp_path}/q/ckpt.pt", weights_only=True)
+    del ckpt["config"]["train"]["queries"]
+    torch.save(ckpt, f"{tmp_path}/q/ckpt.pt")
+    with pytest.raises(SystemExit) as e:
+        train.main(SMALL + ["--max_steps=3", "--resume", f"--out_dir={tmp_path}/q"])
+    assert "has queries=1 but this run has queries=0" in str(e.value.code)
+    train.main(SMALL + ["--max_steps=3", "--resume", "--queries=1", f"--out_dir={tmp_path}/q"])
+    for flags, msg in ((["--queries=-2"], "--queries must be >= 0"), (["--queries=2", "--model=transformer"], "--queries")):
         with pytest.raises(SystemExit) as e:
             train.main(SMALL + ["--max_steps=1", f"--out_dir={tmp_path}/bad"] + flags)
         assert msg in str(e.value.code)                              # SystemExit(message): printed, exit status 1
@@ -1293,7 +1304,7 @@ def test_graphed_step_plumbing_equals_eager_step(model):
         opt = torch.optim.AdamW(gm.parameters(), lr=1e-2)
         graphed = None
         if use_graph:
-            b0 = {k: v[:4] for k, v in task.train_batch(0, 8, "cpu").items()}
+            b0 = {k: v[:4] for k, v in task.train_batch(0, 8, "cpu", train.n_queries(cfgs["train"], task)).items()}
             graphed = train.GraphedStep(gm, b0, 0.5, train.nullcontext(), capture=False)
         logs = [train.train_step(gm, opt, task, s, cfgs["train"], "cpu", train.nullcontext(), graphed) for s in range(2)]
         params.append((logs, [p.detach().clone() for p in gm.parameters()]))
@@ -1314,7 +1325,7 @@ def test_cuda_graph_replay_equals_eager_on_gpu():
     torch.manual_seed(0)
     gm = train.build(cfgs).cuda()
     graphed = train.make_graphed(gm, task, cfgs["train"], "cuda", train.nullcontext())   # checks replay vs eager
-    b = {k: v[4:] for k, v in task.train_batch(3, 8, "cuda").items()}
+    b = {k: v[4:] for k, v in task.train_batch(3, 8, "cuda", train.n_queries(cfgs["train"], task)).items()}
     out = graphed(b)
     ref = gm(b["ctx"], b["q"], b["y"])["loss"]
     assert out["loss"].item() == pytest.approx(ref.item(), rel=1e-4)

@@ -4,8 +4,8 @@ Train GradMem (arXiv:2603.13875v2) on associative key-value retrieval (§3.1, Ta
     python train.py --task kv --pairs 8 --K 1                       # from scratch: 1 -> 2 -> 4 -> 8 pairs (App. B)
     python train.py --task kv --pairs 16 --K 1 --init_from out/kv8/best.pt --out_dir out/kv16   # the next stage by hand
     python train.py --task kv --pairs 8 --K 1 --resume              # continue that run exactly (same flags)
-    python train.py --pairs 16 --K 5 --batch_size 32 --bench 5      # median s/step and peak memory
-    python train.py --pairs 16 --K 5 --batch_size 32 --bench 5 --compile   # the same, WRITE step fused by torch.compile
+    python train.py --pairs 16 --K 5 --batch_size 32 --queries 1 --bench 5   # median s/step and peak memory (Table 1's config)
+    python train.py --pairs 16 --K 5 --batch_size 32 --queries 1 --bench 5 --compile   # the same, WRITE step fused by torch.compile
 
 Every flag is a field of GPTConfig (model.py), GradMemConfig (gradmem.py) or TrainConfig (below).
 """
@@ -51,10 +51,12 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (the authors': 0; 0.01 before "
                                                                "session 10)"})
     grad_clip: float = 1.0
-    queries: int = field(default=1, metadata={"help": "keys asked of each training context, all READ from its one M_K "
-                                                      "(0: every pair; capped at the stage's pairs). The mean loss has the "
-                                                      "one-query loss's expectation at lower variance; evaluation asks one "
-                                                      "(README, \"Several queries per training context\")"})
+    queries: int = field(default=-1, metadata={"help": "keys asked of each training context, all READ from its one M_K "
+                                                       "(0: every pair; capped at the stage's pairs). The mean loss has the "
+                                                       "one-query loss's expectation at lower variance; evaluation asks one. "
+                                                       "Default (-1): 0 for GradMem (since session 44), 1 for the other models; "
+                                                       "1 is the paper's protocol (README, \"Several queries per training "
+                                                       "context\")"})
     ema: float = field(default=0.999, metadata={"help": "decay of an exponential moving average of the weights "
                        "(Polyak averaging, restarted at each curriculum stage and when it scores EMA_RESET below the "
                        "trained weights), evaluated beside them; best.pt holds whichever scores higher (0: off)"})
@@ -97,6 +99,8 @@ class TrainConfig:
             raise ValueError("--profile profiles a --bench step: give --bench N as well")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"--lr must be finite and > 0, got {self.lr}")
+        if self.queries == -1:                    # the default: every key for GradMem, the one query elsewhere
+            self.queries = 0 if self.model == "gradmem" else 1
         for name in ("warmup", "seed", "eval_seed", "bench", "write_split", "queries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
@@ -122,6 +126,8 @@ NOT_FLAGS = {"vocab_size", "block_size"}  # set by the task
 RESUMABLE = {"K_eval", "attn", "grad_accum", "max_steps", "eval_interval", "log_interval", "target_em", "patience",
              "resume", "init_from", "device", "bench", "profile", "cuda_graph", "compile",
              "out_dir", "write_split", "curriculum_em"}
+# fields newer than some checkpoints, with the value those checkpoints' runs trained at (else the field's default)
+BEFORE = {"queries": 1}
 
 
 EMA_RESET = 0.05  # --ema: the average restarts from the trained weights when its held-out EM is this far below theirs
@@ -272,7 +278,7 @@ def check_match(path, saved, cfgs, sections, skip=RESUMABLE):
             if name in skip or name in NOT_FLAGS:
                 continue
             default = next(f.default for f in fields(cfgs[sec]) if f.name == name)
-            old = saved.get(sec, {}).get(name, default)     # a field newer than the checkpoint: its default
+            old = saved.get(sec, {}).get(name, BEFORE.get(name, default))  # a field newer than the checkpoint
             if old != value:
                 raise RunError(f"checkpoint {path} has {name}={old!r} but this run has {name}={value!r}")
 

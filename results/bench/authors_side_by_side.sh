@@ -19,11 +19,11 @@ for K in $KS; do
   if [ $K = 5 ]; then N=5; else N=8; fi
   for r in $ROUNDS; do
     run authors $here $PY_AUTHORS results/bench/bench_authors.py --repo $AUTHORS --K $K --steps $N
-    [ -d "$S14" ] && run s14_compile $S14 python train.py --pairs 16 --K $K --batch_size 32 --bench $N --compile
-    run compile $here python train.py --pairs 16 --K $K --batch_size 32 --bench $N --compile
-    run eager_hvp $here python train.py --pairs 16 --K $K --batch_size 32 --bench $N
+    [ -d "$S14" ] && run s14_compile $S14 python train.py --pairs 16 --K $K --batch_size 32 --queries 1 --bench $N --compile
+    run compile $here python train.py --pairs 16 --K $K --batch_size 32 --queries 1 --bench $N --compile
+    run eager_hvp $here python train.py --pairs 16 --K $K --batch_size 32 --queries 1 --bench $N
     if [ $K = 5 ]; then
-      run compile_accum2 $here python train.py --pairs 16 --K $K --batch_size 32 --bench $N --compile --grad_accum 2
+      run compile_accum2 $here python train.py --pairs 16 --K $K --batch_size 32 --queries 1 --bench $N --compile --grad_accum 2
     fi
   done
 done

@@ -44,7 +44,7 @@ if "rope" in V:
 if "budget" in V:
     torch._functorch.config.activation_memory_budget = float(V.split("budget")[1].split(",")[0])
 
-cfgs = train.parse_args(f"--pairs 16 --K {K} --batch_size 32".split())
+cfgs = train.parse_args(f"--pairs 16 --K {K} --batch_size 32 --queries 1".split())
 train.tune_malloc()
 torch.manual_seed(0)
 task = train.KVTask(16, 0, 1, 100)

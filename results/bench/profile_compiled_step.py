@@ -15,7 +15,7 @@ torch._inductor.config.cpp.enable_kernel_profile = True
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import train  # noqa: E402
 
-cfgs = train.parse_args("--pairs 16 --K 5 --batch_size 32".split())
+cfgs = train.parse_args("--pairs 16 --K 5 --batch_size 32 --queries 1".split())
 train.tune_malloc()
 torch.manual_seed(0)
 task = train.KVTask(16, 0, 1, 100)
