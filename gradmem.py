@@ -29,7 +29,8 @@ class GradMemConfig:
     K: int = field(default=1, metadata={"help": "WRITE steps K, Eq. (5)"})
     K_eval: int = field(default=-1, metadata={"help": "WRITE steps at evaluation (-1: same as K), Fig. 4a"})
     alpha: float = field(default=0.5, metadata={"help": "inner lr alpha, Eq. (5)"})
-    meta_grad: str = field(default="second", metadata={"choices": ["second", "first", "none"]})
+    meta_grad: str = field(default="second", metadata={"choices": ["second", "first", "none"], "help": "meta-gradient "
+                           "through WRITE: full second order, first order (grad_M L_write held constant), or none"})
     write_head: bool = field(default=True, metadata={"help": "separate WRITE head, init from the LM head (App. B)"})
     aux_write: float = field(default=0.5, metadata={"help": "weight of the auxiliary WRITE loss in the outer loss"})
     rmt_rec: float = field(default=0.0, metadata={"help": "RMT only: weight of the reconstruction loss of C from each "

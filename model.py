@@ -33,14 +33,14 @@ class GPTConfig:
     n_head: int = field(default=4, metadata={"help": "attention heads"})
     n_embd: int = field(default=128, metadata={"help": "width d (memory vectors are d-dim)"})
     n_hidden: int = field(default=512, metadata={"help": "MLP hidden width"})
-    mlp: str = field(default="swiglu", metadata={"choices": ["swiglu", "gelu"]})
-    norm: str = field(default="rms", metadata={"choices": ["rms", "layer"]})
-    pos: str = field(default="rope", metadata={"choices": ["rope", "learned"]})
-    bias: bool = False
+    mlp: str = field(default="swiglu", metadata={"choices": ["swiglu", "gelu"], "help": "MLP: Llama's SwiGLU or GPT-2's GELU"})
+    norm: str = field(default="rms", metadata={"choices": ["rms", "layer"], "help": "RMSNorm (Llama) or LayerNorm (GPT-2)"})
+    pos: str = field(default="rope", metadata={"choices": ["rope", "learned"], "help": "positions: RoPE or learned (GPT-2)"})
+    bias: bool = field(default=False, metadata={"help": "biases in the linear layers (GPT-2)"})
     tie: bool = field(default=True, metadata={"help": "tie input and output embeddings"})
-    rope_theta: float = 500000.0
+    rope_theta: float = field(default=500000.0, metadata={"help": "RoPE base (Llama-3.2's; the baselines need 10000)"})
     rope_llama3: bool = field(default=True, metadata={"help": "Llama-3 RoPE frequency scaling"})
-    norm_eps: float = 1e-5
+    norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of the norm layers"})
 
     def __post_init__(self):
         for f in fields(self):                      # choices: argparse checks the flags, this the Python API

@@ -1,70 +1,67 @@
 """
-Train GradMem (arXiv:2603.13875v2) on associative key-value retrieval (§3.1, Table 1).
+Train GradMem (arXiv:2603.13875v2) or a baseline on associative key-value retrieval (§3.1, Table 1).
 
-    python train.py --task kv --pairs 8 --K 1                       # from scratch: 1 -> 2 -> 4 -> 8 pairs (App. B)
+    python train.py --task kv --pairs 8 --K 1 --out_dir out/kv8     # from scratch: 1 -> 2 -> 4 -> 8 pairs (App. B)
     python train.py --task kv --pairs 16 --K 1 --init_from out/kv8/best.pt --out_dir out/kv16   # the next stage by hand
-    python train.py --task kv --pairs 8 --K 1 --resume              # continue that run exactly (same flags)
-    python train.py --pairs 16 --K 5 --batch_size 32 --queries 1 --bench 5   # median s/step and peak memory (Table 1's config)
-    python train.py --pairs 16 --K 5 --batch_size 32 --queries 1 --bench 5 --compile   # the same, WRITE step fused by torch.compile
+    python train.py --task kv --pairs 8 --K 1 --out_dir out/kv8 --resume   # continue a stopped run (same flags)
+    python train.py --pairs 16 --K 5 --batch_size 32 --queries 1 --bench 5   # median s/step and peak memory (bench.py)
 
-Every flag is a field of GPTConfig (model.py), GradMemConfig (gradmem.py) or TrainConfig (below).
+Every flag is a field of GPTConfig (model.py), GradMemConfig (gradmem.py) or TrainConfig (below). Ctrl-C or SIGTERM
+stops training after the current step and writes out_dir/ckpt.pt, which --resume continues.
 """
 import argparse
 import json
 import math
 import os
-import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from baselines import ARMT, RMT, FullContext, LaCT, LaCTLM, Mamba, TTTLinearLM
+from cuda_graph import GraphedStep, GraphError
 from data import VOCAB, KVTask, save_jsonl
+from ema import RESET_GAP, WeightEMA
 from gradmem import GradMem, GradMemConfig, score, write_grad
 from model import GPT, GPTConfig
 
 
 @dataclass
 class TrainConfig:
-    task: str = field(default="kv", metadata={"choices": ["kv"]})
+    task: str = field(default="kv", metadata={"choices": ["kv"], "help": "the task: associative key-value retrieval, §3.1"})
     model: str = field(default="gradmem", metadata={"choices": ["gradmem", "rmt", "armt", "transformer", "mamba", "ttt_linear", "lact"],
-                                                     "help": "memory model (baselines.py); --K, --n_mem apply to rmt too"})
+                                                     "help": "the memory model (GradMem, or a baseline of baselines.py); --K and "
+                                                             "--n_mem apply to rmt too"})
     pairs: int = field(default=16, metadata={"help": "key-value pairs N per context, §3.1"})
     batch_size: int = field(default=64, metadata={"help": "effective batch (split over --grad_accum)"})
-    grad_accum: int = field(default=0, metadata={"help": "micro-batches per step; 0: auto, each WRITE micro-batch "
-                                                         "holds at most TOKEN_STEPS tokens x K"})
-    lr: float = field(default=3e-4, metadata={"help": "AdamW peak lr (paper: 1e-4; 1e-3 before session 10, see README "
-                                                      "deviations)"})
+    grad_accum: int = field(default=0, metadata={"help": "micro-batches per step; 0: as few as keep each micro-batch's "
+                                                         "WRITE within 40,000 tokens x K (bounds peak memory)"})
+    lr: float = field(default=3e-4, metadata={"help": "AdamW peak lr (the paper's: 1e-4; README, Deviations)"})
     warmup: int = field(default=200, metadata={"help": "linear warmup steps"})
     decay_steps: int = field(default=0, metadata={"help": "cosine decay to --min_lr over this many steps after warmup "
                                                            "(with the curriculum: from the start of its last stage), "
                                                            "then --min_lr (0: constant lr after warmup)"})
-    min_lr: float = 0.0
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (the authors': 0; 0.01 before "
-                                                               "session 10)"})
-    grad_clip: float = 1.0
+    min_lr: float = field(default=0.0, metadata={"help": "the lr at the end of --decay_steps"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (the authors': 0)"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this"})
     queries: int = field(default=-1, metadata={"help": "keys asked of each training context, all READ from its one M_K "
-                                                       "(0: every pair; capped at the stage's pairs). The mean loss has the "
-                                                       "one-query loss's expectation at lower variance; evaluation asks one. "
-                                                       "Default (-1): 0 for GradMem (since session 44), 1 for the other models; "
-                                                       "1 is the paper's protocol (README, \"Several queries per training "
-                                                       "context\")"})
+                                                       "(0: every pair; capped at the stage's pairs); evaluation asks one. "
+                                                       "-1: 0 for GradMem, 1 for the other models (1 is the paper's protocol)"})
     ema: float = field(default=0.999, metadata={"help": "decay of an exponential moving average of the weights "
-                       "(Polyak averaging, restarted at each curriculum stage and when it scores EMA_RESET below the "
-                       "trained weights), evaluated beside them; best.pt holds whichever scores higher (0: off)"})
-    max_steps: int = 20000
-    eval_interval: int = 250
-    log_interval: int = 50
-    n_eval: int = field(default=1000, metadata={"help": "held-out samples"})
-    eval_seed: int = 12345
+                       "(ema.py), evaluated beside them; best.pt holds whichever scores higher (0: off)"})
+    max_steps: int = field(default=20000, metadata={"help": "optimizer steps in all, over every curriculum stage"})
+    eval_interval: int = field(default=250, metadata={"help": "evaluate and checkpoint every this many steps"})
+    log_interval: int = field(default=50, metadata={"help": "log a training line every this many steps"})
+    n_eval: int = field(default=1000, metadata={"help": "held-out samples per evaluation"})
+    eval_seed: int = field(default=12345, metadata={"help": "seed of the held-out set (training data: --seed)"})
     target_em: float = field(default=1.0, metadata={"help": "stop once held-out EM reaches this"})
     patience: int = field(default=0, metadata={"help": "stop after this many evals without a better EM (0: never)"})
     curriculum_em: float = field(default=0.75, metadata={"help": "from scratch: train at 1, 2, 4, ... pairs up to --pairs, "
@@ -73,22 +70,23 @@ class TrainConfig:
     train_file: str = field(default="", metadata={"help": "train from this JSONL split instead of on-the-fly data"})
     eval_file: str = field(default="", metadata={"help": "evaluate on this JSONL split"})
     write_split: int = field(default=0, metadata={"help": "write N train samples and the eval set to out_dir as JSONL, then exit"})
-    out_dir: str = "out"
-    resume: bool = False
+    out_dir: str = field(default="out", metadata={"help": "where config.json, log.jsonl, ckpt.pt and best.pt go"})
+    resume: bool = field(default=False, metadata={"help": "continue the run in --out_dir from its ckpt.pt (same flags)"})
     init_from: str = field(default="", metadata={"help": "start from this checkpoint's weights (curriculum over --pairs); "
                            "steps count from 0 again and batches are keyed by (--seed, step), so at the same --pairs and "
                            "--seed batches the start was trained on come again: pass another --seed for fresh ones"})
-    device: str = field(default="auto", metadata={"choices": ["auto", "cpu", "cuda"]})
-    dtype: str = field(default="float32", metadata={"choices": ["float32", "bfloat16"]})
-    seed: int = 0
-    bench: int = field(default=0, metadata={"help": "time this many steps after warm-up, print median s/step and peak memory"})
+    device: str = field(default="auto", metadata={"choices": ["auto", "cpu", "cuda"], "help": "auto: CUDA if available"})
+    dtype: str = field(default="float32", metadata={"choices": ["float32", "bfloat16"],
+                                                   "help": "bfloat16: CUDA autocast (M and the WRITE update stay float32)"})
+    seed: int = field(default=0, metadata={"help": "seed of the weights' initialisation and of the training data"})
+    bench: int = field(default=0, metadata={"help": "time this many steps after warm-up, print median s/step and peak "
+                                                      "memory as one JSON line, train nothing (bench.py; 0: off)"})
     profile: bool = field(default=False, metadata={"help": "with --bench: also print torch.profiler's self time per op for one step"})
     cuda_graph: bool = field(default=False, metadata={"help": "CUDA: record one micro-batch's WRITE, READ and meta-gradient "
                                                                "as a CUDA graph and replay it every step (skipped on CPU)"})
     compile: bool = field(default=False, metadata={"help": "GradMem, second order: torch.compile one WRITE step's gradient "
-                                                            "(gradmem.write_grad) so its double backward runs fused (1.3-1.7x "
-                                                            "faster at 16 pairs on CPU, 1.2x at 64: README); the first "
-                                                            "step compiles for ~1 min (more at 64 pairs)"})
+                                                            "(gradmem.write_grad) so its double backward runs fused; each "
+                                                            "curriculum stage compiles once (about a minute on a CPU)"})
 
     def __post_init__(self):
         if self.batch_size < 1 or self.grad_accum < 0 or (self.grad_accum and self.batch_size % self.grad_accum):
@@ -126,12 +124,7 @@ NOT_FLAGS = {"vocab_size", "block_size"}  # set by the task
 RESUMABLE = {"K_eval", "attn", "grad_accum", "max_steps", "eval_interval", "log_interval", "target_em", "patience",
              "resume", "init_from", "device", "bench", "profile", "cuda_graph", "compile",
              "out_dir", "write_split", "curriculum_em"}
-# fields newer than some checkpoints, with the value those checkpoints' runs trained at (else the field's default)
-BEFORE = {"queries": 1}
-
-
-EMA_RESET = 0.05  # --ema: the average restarts from the trained weights when its held-out EM is this far below theirs
-TOKEN_STEPS = 40_000  # auto --grad_accum budget: 64 pairs, K = 5 -> micro-batch 16, 8.3 GB peak RSS (README)
+TOKEN_STEPS = 40_000  # automatic --grad_accum: 64 pairs, K = 5 -> micro-batch 16, 8.3 GB peak RSS (README)
 
 
 def auto_grad_accum(batch_size, write_len, K):
@@ -163,57 +156,8 @@ def lr_at(step, tcfg, decay_from=0):
     return tcfg.min_lr + 0.5 * (tcfg.lr - tcfg.min_lr) * (1 + math.cos(math.pi * t))
 
 
-class WeightEMA:
-    """--ema: an exponential moving average of the trained weights (Polyak averaging). At a constant lr the weights
-    wander around a minimum with the batch noise of their gradient; their average sits nearer it, which is what a
-    decayed lr buys, without stopping the climb. The decay is warmed up as min(ema, (1 + n) / (10 + n)) over the n
-    updates since the last reset (TensorFlow's ExponentialMovingAverage), so a fresh average follows the weights
-    closely and settles to --ema's horizon of 1 / (1 - ema) steps. An average taken across a loss spike can be far
-    worse than both ends (session 19: 21.7 % held-out EM beside the trained weights' 96.7 %, 200 steps after the
-    spike), so train.py restarts it from the trained weights when it falls EMA_RESET below them."""
-
-    def __init__(self, gm, decay):
-        self.decay = decay
-        self.reset(gm)
-
-    def reset(self, gm, warmup=True):
-        """The average set to the trained weights; warmup=False keeps the decay where it is."""
-        self.avg = {k: p.detach().clone() for k, p in gm.named_parameters()}
-        self.n = 0 if warmup else self.n
-
-    @torch.no_grad()
-    def update(self, gm):
-        self.n += 1
-        d = min(self.decay, (1 + self.n) / (10 + self.n))
-        for k, p in gm.named_parameters():
-            self.avg[k].lerp_(p, 1 - d)                       # avg <- d avg + (1 - d) p
-
-    @contextmanager
-    def swapped(self, gm):
-        """The model with the averaged weights in place (the same tensors, so a compiled step is not retraced)."""
-        params = dict(gm.named_parameters())
-        kept = {k: p.detach().clone() for k, p in params.items()}
-        with torch.no_grad():
-            for k, p in params.items():
-                p.copy_(self.avg[k])
-        try:
-            yield gm
-        finally:
-            with torch.no_grad():
-                for k, p in params.items():
-                    p.copy_(kept[k])
-
-    def state_dict(self):
-        return {"n": self.n, "avg": self.avg}
-
-    def load_state_dict(self, state, path):
-        """Copied into this run's tensors: a checkpoint is loaded on the CPU, and a run may resume on a GPU."""
-        if state["avg"].keys() != self.avg.keys() or any(v.shape != self.avg[k].shape for k, v in state["avg"].items()):
-            raise RunError(f"checkpoint {path}: its --ema average does not fit this run's model")
-        with torch.no_grad():
-            for k, v in state["avg"].items():
-                self.avg[k].copy_(v)
-        self.n = int(state["n"])
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every flag's default."""
 
 
 class RunError(Exception):
@@ -221,7 +165,7 @@ class RunError(Exception):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     seen = set()
     for cls in CONFIGS.values():
         for f in fields(cls):
@@ -229,9 +173,10 @@ def parse_args(argv):
                 continue
             assert f.name not in seen, f"flag --{f.name} defined twice"
             seen.add(f.name)
-            kw = dict(type=f.type, default=f.default, help=f.metadata.get("help"), choices=f.metadata.get("choices"))
+            assert f.metadata.get("help"), f"flag --{f.name} has no help"
+            kw = dict(type=f.type, default=f.default, help=f.metadata["help"], choices=f.metadata.get("choices"))
             if f.type is bool:
-                kw = dict(action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata.get("help"))
+                kw = dict(action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
             p.add_argument(f"--{f.name}", **kw)
     args = vars(p.parse_args(argv))
     try:
@@ -277,8 +222,7 @@ def check_match(path, saved, cfgs, sections, skip=RESUMABLE):
         for name, value in asdict(cfgs[sec]).items():
             if name in skip or name in NOT_FLAGS:
                 continue
-            default = next(f.default for f in fields(cfgs[sec]) if f.name == name)
-            old = saved.get(sec, {}).get(name, BEFORE.get(name, default))  # a field newer than the checkpoint
+            old = saved.get(sec, {}).get(name)
             if old != value:
                 raise RunError(f"checkpoint {path} has {name}={old!r} but this run has {name}={value!r}")
 
@@ -363,63 +307,6 @@ def evaluate(gm, task, K, device, batch_size=250):
     return dict(em=em / n, acc=acc / n, write_loss0=wl / n)
 
 
-class GraphedStep:
-    """--cuda_graph: one micro-batch's whole pass -- the K WRITE steps (Eq. 5) with their create_graph
-    backward, READ (Eq. 8) and the meta-gradient of the outer loss -- recorded once as a CUDA graph on static
-    input buffers, then replayed for every micro-batch (the KV task's shapes never change). The graph's outputs
-    are the loss terms and one gradient per parameter, which are added into .grad outside the graph, so gradient
-    accumulation and the eager optimizer step are unchanged. On capture the replay is checked against an eager
-    pass on the same batch. capture=False runs the same static-buffer pass eagerly (the CPU test of the plumbing)."""
-
-    def __init__(self, gm, batch, scale, autocast, capture=True, tol=1e-3):
-        self.gm, self.scale, self.autocast, self.graph = gm, scale, autocast, None
-        self.params = [p for p in gm.parameters() if p.requires_grad]
-        self.inputs = {k: v.clone() for k, v in batch.items()}
-        if not capture:
-            return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):             # warm-up off the capture stream (cuBLAS handles, lazy caches)
-            for _ in range(3):
-                self._pass()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(self.graph):
-                self.out = self._pass()
-        except RuntimeError as e:
-            raise RunError(f"--cuda_graph: capture failed ({str(e).splitlines()[0]}); run without --cuda_graph") from None
-        ref = [g.clone() for g in self._pass()["grads"]]          # eager, same inputs
-        self.graph.replay()
-        err = max(((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item() for a, b in zip(self.out["grads"], ref))
-        if not err <= tol:
-            raise RunError(f"--cuda_graph: the replayed graph's gradients differ from the eager pass by {err:.2e} "
-                           f"(relative, > {tol}); run without --cuda_graph")
-
-    def _pass(self):
-        b = self.inputs
-        with self.autocast:
-            out = self.gm(b["ctx"], b["q"], b["y"])
-        grads = torch.autograd.grad(out["loss"] * self.scale, self.params, allow_unused=True)
-        zero = out["loss"].new_zeros(())
-        return dict(loss=out["loss"].detach(), task_loss=out["task_loss"].detach(), logits=out["logits"].detach(),
-                    losses=[out["losses"][0].detach()] if out["losses"] else [], grad_norm=out["grad_norm"].detach() + zero,
-                    grads=[torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads)])
-
-    def __call__(self, batch):
-        for k, v in batch.items():
-            if v.shape != self.inputs[k].shape:
-                raise RunError(f"--cuda_graph needs static shapes: {k} {tuple(v.shape)} vs captured {tuple(self.inputs[k].shape)}")
-            self.inputs[k].copy_(v)
-        if self.graph is None:
-            self.out = self._pass()
-        else:
-            self.graph.replay()
-        for p, g in zip(self.params, self.out["grads"]):
-            p.grad = g.clone() if p.grad is None else p.grad.add_(g)
-        return self.out
-
-
 def compile_write(gm):
     """--compile: gradmem.write_grad traced and fused by torch.compile (Inductor), used by every second-order WRITE
     step; its backward is the double backward. A curriculum stage (another context length) compiles anew."""
@@ -450,7 +337,10 @@ def make_graphed(gm, task, tcfg, device, autocast):
         return None
     micro = tcfg.batch_size // tcfg.grad_accum
     batch = {k: v[:micro] for k, v in task.train_batch(0, tcfg.batch_size, device, n_queries(tcfg, task)).items()}
-    graphed = GraphedStep(gm, batch, 1.0 / tcfg.grad_accum, autocast)
+    try:
+        graphed = GraphedStep(gm, batch, 1.0 / tcfg.grad_accum, autocast)
+    except GraphError as e:
+        raise RunError(str(e)) from None
     gm.zero_grad(set_to_none=True)
     return graphed
 
@@ -507,6 +397,9 @@ def run(cfgs, argv):
         raise RunError("--device cuda but no CUDA device is available")
     if device == "cpu" and tcfg.dtype == "bfloat16":
         raise RunError("--dtype bfloat16 is CUDA autocast; this run is on CPU, where it trains in float32: drop the flag")
+    if tcfg.model in ("gradmem", "rmt") and gcfg.K < 1:
+        raise RunError(f"--K {gcfg.K}: {tcfg.model} needs at least one WRITE step (with none, M_K = M_0 for every "
+                       "context and nothing about it can be answered); use --K >= 1 (--K_eval 0 evaluates M_0 alone)")
     if gcfg.rmt_rec and tcfg.model != "rmt":
         raise RunError(f"--rmt_rec is RMT's reconstruction loss; this run trains --model {tcfg.model}")
     if gcfg.segment and tcfg.model != "armt":
@@ -578,10 +471,16 @@ def run(cfgs, argv):
     if tcfg.ema and not tcfg.bench:
         ema = WeightEMA(gm, tcfg.ema)                 # from the weights trained on (a checkpoint's, if any)
         if tcfg.resume and "ema" in ckpt:             # a checkpoint from before --ema: the average starts here
-            ema.load_state_dict(ckpt["ema"], ckpt_path)
+            try:
+                ema.load_state_dict(ckpt["ema"])
+            except ValueError as e:
+                raise RunError(f"checkpoint {ckpt_path}: {e}") from None
     if tcfg.bench:
-        return bench(gm, opt, task, tcfg, gcfg, device, autocast, make_graphed(gm, task, tcfg, device, autocast),
-                     one["ctx"].size(1))
+        from bench import bench
+        return bench(lambda step, graphed: train_step(gm, opt, task, step, tcfg, device, autocast, graphed), gm,
+                     tcfg.bench, device, make_graphed(gm, task, tcfg, device, autocast), tcfg.profile,
+                     model=tcfg.model, pairs=tcfg.pairs, batch_size=tcfg.batch_size, grad_accum=tcfg.grad_accum,
+                     K=gcfg.K, attn=gcfg.attn, compile=tcfg.compile, memory_floats=gm.memory_floats(one["ctx"].size(1)))
     ctx_len = one["ctx"].size(1)
     print(f"{tcfg.model}: {sum(p.numel() for p in gm.parameters()) / 1e6:.3f} M trained parameters; memory state "
           f"{gm.memory_floats(ctx_len)} floats for a {ctx_len}-token context (App. G); device {device}")
@@ -619,76 +518,160 @@ def run(cfgs, argv):
     log(header)
     K_eval = gcfg.K if gcfg.K_eval < 0 else gcfg.K_eval
     t0, last = time.time(), None
-    bar = tqdm(range(step, tcfg.max_steps), initial=step, total=tcfg.max_steps, dynamic_ncols=True, disable=None)
-    for step in bar:
-        lr = lr_at(step, tcfg, last_stage_from if pairs == tcfg.pairs else None)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        logs = train_step(gm, opt, task, step, tcfg, device, autocast, graphed)
-        if ema is not None:
-            ema.update(gm)
-        done = step + 1
-        if done % tcfg.log_interval == 0:
-            rec = dict(kind="train", step=done, pairs=pairs, lr=lr, time=time.time() - t0, **logs)
-            log(rec)
-            tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in rec.items() if k != "kind"))
-        bar.set_postfix(loss=f"{logs['loss']:.3f}", em=f"{last['em']:.3f}" if last else "-")
-        if done % tcfg.eval_interval == 0 or done == tcfg.max_steps:
-            if not all(torch.isfinite(p).all() for p in gm.parameters()):
-                raise RunError(f"non-finite weights after step {done}; stopped without saving (try a smaller --lr)")
-            last = dict(kind="eval", step=done, pairs=pairs, K_eval=K_eval, time=time.time() - t0,
-                        **evaluate(gm, task, K_eval, device))
-            if ema is not None:                       # the averaged weights on the same held-out set
-                with ema.swapped(gm):
-                    avg = evaluate(gm, task, K_eval, device)
-                last.update(ema_em=avg["em"], ema_acc=avg["acc"])
-            use_ema = ema is not None and last["ema_em"] > last["em"]
-            em = last["ema_em"] if use_ema else last["em"]       # the better of the two decides from here on
-            if ema is not None and last["ema_em"] < last["em"] - EMA_RESET:
-                ema.reset(gm, warmup=False)   # it averaged across a loss spike the trained weights have left behind
-                last["ema_reset"] = True
-            log(last)
-            tqdm.write(f"eval step {done} ({pairs} pairs): EM {last['em']:.4f} | token acc {last['acc']:.4f} | "
-                       f"WRITE loss(M_0) {last['write_loss0']:.3f}"
-                       + (f" | averaged weights: EM {last['ema_em']:.4f}" if ema is not None else ""))
-            if em > best_em:
-                best_em, since_best = em, 0
-                with ema.swapped(gm) if use_ema else nullcontext():
-                    save_checkpoint(os.path.join(tcfg.out_dir, "best.pt"), gm, opt, done, best_em, cfgs, pairs,
-                                    weights="ema" if use_ema else "trained")
-            else:
-                since_best += 1
-            if pairs < tcfg.pairs and em >= tcfg.curriculum_em:     # curriculum: on to the next stage
-                keep = os.path.join(tcfg.out_dir, f"best_n{pairs}.pt")      # the stage's best, kept; best.pt stays
-                shutil.copyfile(os.path.join(tcfg.out_dir, "best.pt"), keep + ".tmp")   # until the next stage's
-                os.replace(keep + ".tmp", keep)                                         # first evaluation
-                pairs = stages[stages.index(pairs) + 1]
-                task, best_em, since_best, last_stage_from = stage(pairs), -1.0, 0, done
-                if ema is not None:
-                    ema.reset(gm)                     # the new stage's average starts from the trained weights
-                graphed = None                        # free the old graph's memory pool before capturing anew
-                graphed = make_graphed(gm, task, tcfg, device, autocast)
-                log(dict(kind="stage", step=done, pairs=pairs, time=time.time() - t0))
-                tqdm.write(f"curriculum: {pairs} pairs from step {done}")
-            save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs, pairs, since_best, last_stage_from, ema)
-            if last["pairs"] == tcfg.pairs and em >= tcfg.target_em:
-                tqdm.write(f"reached target EM {tcfg.target_em} at step {done} ({time.time() - t0:.0f} s)")
-                break
-            if tcfg.patience and since_best >= tcfg.patience:
-                tqdm.write(f"no better EM for {tcfg.patience} evaluations: stopping at step {done}")
-                break
+    speed = StageSpeed(stages, pairs, tcfg.max_steps, tcfg.eval_interval)
+    bar = tqdm(range(step, tcfg.max_steps), initial=step, total=tcfg.max_steps, dynamic_ncols=True, disable=None,
+               bar_format="{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}] {postfix}")
+    stop = StopOnSignal()
+    with stop:
+        for step in bar:
+            lr = lr_at(step, tcfg, last_stage_from if pairs == tcfg.pairs else None)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            t_step = time.perf_counter()
+            logs = train_step(gm, opt, task, step, tcfg, device, autocast, graphed)
+            speed.add(time.perf_counter() - t_step)
+            if ema is not None:
+                ema.update(gm)
+            done = step + 1
+            if done % tcfg.log_interval == 0:
+                rec = dict(kind="train", step=done, pairs=pairs, lr=lr, time=time.time() - t0, **logs)
+                log(rec)
+                if bar.disable:                   # no terminal: a plain progress line instead of the bar
+                    print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                     for k, v in rec.items() if k not in ("kind", "pairs", "time"))
+                          + " | " + speed.text(done), flush=True)
+            stage_em = last["em"] if last is not None and last["pairs"] == pairs else None
+            bar.set_postfix_str(f"{speed.text(done)} | loss {logs['loss']:.3f} | held-out EM "
+                                + (f"{stage_em:.3f}" if stage_em is not None else "-"), refresh=False)
+            if done % tcfg.eval_interval == 0 or done == tcfg.max_steps:
+                if not all(torch.isfinite(p).all() for p in gm.parameters()):
+                    raise RunError(f"non-finite weights after step {done}; stopped without saving (try a smaller --lr)")
+                t_eval = time.perf_counter()
+                last = dict(kind="eval", step=done, pairs=pairs, K_eval=K_eval, time=time.time() - t0,
+                            **evaluate(gm, task, K_eval, device))
+                if ema is not None:                       # the averaged weights on the same held-out set
+                    with ema.swapped(gm):
+                        avg = evaluate(gm, task, K_eval, device)
+                    last.update(ema_em=avg["em"], ema_acc=avg["acc"])
+                speed.eval_seconds = time.perf_counter() - t_eval
+                use_ema = ema is not None and last["ema_em"] > last["em"]
+                em = last["ema_em"] if use_ema else last["em"]       # the better of the two decides from here on
+                if ema is not None and last["ema_em"] < last["em"] - RESET_GAP:
+                    ema.reset(gm, warmup=False)   # it averaged across a loss spike the trained weights have left behind
+                    last["ema_reset"] = True
+                log(last)
+                tqdm.write(f"eval step {done} ({pairs} pairs): EM {last['em']:.4f} | token acc {last['acc']:.4f} | "
+                           f"WRITE loss(M_0) {last['write_loss0']:.3f}"
+                           + (f" | averaged weights: EM {last['ema_em']:.4f}" if ema is not None else ""))
+                if em > best_em:
+                    best_em, since_best = em, 0
+                    with ema.swapped(gm) if use_ema else nullcontext():
+                        save_checkpoint(os.path.join(tcfg.out_dir, "best.pt"), gm, opt, done, best_em, cfgs, pairs,
+                                        weights="ema" if use_ema else "trained")
+                else:
+                    since_best += 1
+                if pairs < tcfg.pairs and em >= tcfg.curriculum_em:     # curriculum: on to the next stage
+                    keep = os.path.join(tcfg.out_dir, f"best_n{pairs}.pt")      # the stage's best, kept; best.pt stays
+                    shutil.copyfile(os.path.join(tcfg.out_dir, "best.pt"), keep + ".tmp")   # until the next stage's
+                    os.replace(keep + ".tmp", keep)                                         # first evaluation
+                    pairs = stages[stages.index(pairs) + 1]
+                    task, best_em, since_best, last_stage_from = stage(pairs), -1.0, 0, done
+                    speed.enter(pairs)
+                    if ema is not None:
+                        ema.reset(gm)                     # the new stage's average starts from the trained weights
+                    graphed = None                        # free the old graph's memory pool before capturing anew
+                    graphed = make_graphed(gm, task, tcfg, device, autocast)
+                    log(dict(kind="stage", step=done, pairs=pairs, time=time.time() - t0))
+                    tqdm.write(f"curriculum: {pairs} pairs from step {done}")
+                save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs, pairs, since_best, last_stage_from, ema)
+                if last["pairs"] == tcfg.pairs and em >= tcfg.target_em:
+                    tqdm.write(f"reached target EM {tcfg.target_em} at step {done} ({time.time() - t0:.0f} s)")
+                    break
+                if tcfg.patience and since_best >= tcfg.patience:
+                    tqdm.write(f"no better EM for {tcfg.patience} evaluations: stopping at step {done}")
+                    break
+            if stop.signum is not None:           # Ctrl-C / SIGTERM: checkpoint this step, then exit
+                save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs, pairs, since_best, last_stage_from, ema)
+                log(dict(kind="stop", step=done, pairs=pairs, signal=signal.Signals(stop.signum).name,
+                         time=time.time() - t0))
+                bar.close()
+                print(f"stopped by {signal.Signals(stop.signum).name} after step {done}: {ckpt_path} written; "
+                      f"continue with the same command plus --resume", flush=True)
+                raise SystemExit(128 + stop.signum)
     bar.close()
     trained_at = last["pairs"] if last is not None else pairs     # a stage entered at the last evaluation: not trained
     if trained_at == tcfg.pairs:
         tqdm.write(f"best.pt is the best of {'both weights at ' if ema is not None else ''}every evaluation on the held-out "
-                   f"set it was scored on, so that score tends to run high (README, issue #2). On a set nothing was picked "
-                   f"on: python eval.py {ckpt_path}{' --weights ema' if ema is not None else ''} --eval_seed "
+                   f"set it was scored on, so that score tends to run high. On a set nothing was picked on: "
+                   f"python eval.py {ckpt_path}{' --weights ema' if ema is not None else ''} --eval_seed "
                    f"{778 if tcfg.eval_seed == 777 else 777} --n_eval 5000 (the {'averaged' if ema is not None else 'trained'} "
-                   f"weights of the last step; few pairs: the set may repeat some training contexts)")
+                   f"weights of the last step; with few pairs the set may repeat some training contexts)")
     if trained_at < tcfg.pairs:
         tqdm.write(f"note: stopped in the curriculum's {trained_at}-pair stage, before --pairs {tcfg.pairs}; eval.py "
                    "evaluates a checkpoint at the pairs it was trained at; --resume continues the curriculum")
     return last
+
+
+class StopOnSignal:
+    """Within `with`: SIGINT (Ctrl-C) and SIGTERM set .signum instead of killing the process, so the training loop
+    can finish its step and write a checkpoint. A second signal stops at once (KeyboardInterrupt)."""
+
+    def __init__(self):
+        self.signum, self.old = None, {}
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this step and writing a checkpoint "
+              "(again to stop at once)", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():    # signal handlers live in the main thread
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
+
+
+class StageSpeed:
+    """The progress line: the curriculum stage, its pairs, the median s/step measured in this stage (the last 50
+    steps, so a compile or warm-up step does not dominate), and what the remaining step budget costs at that speed.
+    In the last stage that is an upper bound at this speed (--target_em or --patience may end the run sooner);
+    in an earlier stage it is only the budget priced at this stage's speed, since the stage may end at any evaluation
+    and later stages, with longer contexts, are slower."""
+
+    def __init__(self, stages, pairs, max_steps, eval_interval):
+        self.stages, self.max_steps, self.eval_interval, self.eval_seconds = stages, max_steps, eval_interval, 0.0
+        self.enter(pairs)
+
+    def enter(self, pairs):
+        self.pairs, self.times = pairs, []
+
+    def add(self, seconds):
+        self.times = self.times[-49:] + [seconds]
+
+    def text(self, done):
+        i = self.stages.index(self.pairs)
+        head = f"stage {i + 1}/{len(self.stages)}: {self.pairs} pairs"
+        if not self.times:
+            return head
+        sec = statistics.median(self.times)
+        steps = self.max_steps - done
+        left = fmt_duration(sec * steps + self.eval_seconds * math.ceil(steps / self.eval_interval))
+        if self.pairs == self.stages[-1]:
+            return f"{head} | {sec:.3g} s/step | at most {left} left at this speed"
+        return f"{head} | {sec:.3g} s/step | {steps} steps left: {left} at this stage's speed"
+
+
+def fmt_duration(seconds):
+    """3725 -> '1h02m', 95 -> '1m35s'."""
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 def keep_log(path, step):
@@ -717,68 +700,6 @@ def keep_log(path, step):
 def sample_kv_split(task, n):
     rows = [task.train_batch(s, 1000) for s in range((n + 999) // 1000)]
     return tuple(torch.cat([r[k] for r in rows])[:n].numpy() for k in ("ctx", "q", "y"))
-
-
-def peak_memory_gb(device):
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
-
-
-def matmul_peak_gflops(device, n=2048):
-    """The machine's fp32 matmul throughput, measured: median of 10 (n x n) @ (n x n)."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    times = []
-    for _ in range(12):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        a @ b
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return 2 * n ** 3 / statistics.median(times[2:]) / 1e9
-
-
-def bench(gm, opt, task, tcfg, gcfg, device, autocast, graphed=None, ctx_len=0):
-    """Median wall time of one optimizer step after 2 warm-up steps, and peak memory (RSS on CPU).
-    FLOPs and the profile come from an eager step (a graph replay bypasses the counters)."""
-    def median_step(graphed):
-        times = []
-        for step in range(tcfg.bench + 2):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            train_step(gm, opt, task, step, tcfg, device, autocast, graphed)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times[2:])
-
-    sec = median_step(graphed)
-    peak_gb = peak_memory_gb(device)
-    extra = {} if graphed is None else dict(eager_s_per_step=median_step(None))   # the gain, side by side
-    compiled = getattr(gm, "compiled_grad", None)
-    if compiled is not None:                      # FLOPs counted on the eager step: the same matmuls
-        gm.compiled_grad = None
-    with FlopCounterMode(display=False) as fc:    # matmul FLOPs of one step, backward and double backward included
-        train_step(gm, opt, task, 0, tcfg, device, autocast)
-    if compiled is not None:
-        gm.compiled_grad = compiled
-    if tcfg.profile:                              # where the time goes: self time per aten op, one step
-        from torch.profiler import ProfilerActivity, profile
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        with profile(activities=acts) as prof:
-            train_step(gm, opt, task, 0, tcfg, device, autocast)
-        key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=40))
-    res = dict(median_s_per_step=sec, **extra, peak_gb=peak_gb, device=device, threads=torch.get_num_threads(),
-               model=tcfg.model, pairs=tcfg.pairs, batch_size=tcfg.batch_size, grad_accum=tcfg.grad_accum, K=gcfg.K, attn=gcfg.attn,
-               cuda_graph=graphed is not None, compile=tcfg.compile, memory_floats=gm.memory_floats(ctx_len),
-               steps=tcfg.bench, gflop_per_step=fc.get_total_flops() / 1e9,
-               achieved_gflops=fc.get_total_flops() / 1e9 / sec, matmul_peak_gflops=matmul_peak_gflops(device))
-    print(json.dumps(res))
-    return res
 
 
 def main(argv=None):
