@@ -1,18 +1,22 @@
 """
 Evaluate a GradMem checkpoint (arXiv:2603.13875v2) on held-out KV retrieval, rebuilt from the checkpoint alone.
 
-    python eval.py out/kv8/best.pt --K_eval 1 2 5 10        # Figure 4a: more WRITE steps at test time
+    python eval.py out/quick/best.pt                          # at the K the checkpoint was trained and picked at
+    python eval.py out/quick/best.pt --K_eval 0 1 2 5          # Figure 4a: more WRITE steps at test time
+    python eval.py out/quick/best.pt --K_eval 2 --alpha 0.15 --out out/quick/eval_a0.15.json   # another inner lr
 
 For each K in --K_eval it reports exact match and token accuracy of the value characters after K WRITE steps,
 and the WRITE loss L_write(M_K) (Eq. 4) split into key, value and separator tokens (Figure 4b, Appendix E),
-and EM split by the position of the queried pair in the context (which pairs the memory keeps).
-Prints a table and writes the same numbers as JSON (--out, default <ckpt dir>/eval.json; an existing file only
-with --overwrite).
+and EM split by the position of the queried pair in the context (which pairs the memory keeps) and by whether
+another key shares a character with the queried one. A group no held-out sample falls in prints "no samples" and
+is null in the JSON. Prints a table and writes the same numbers as JSON (--out, default <ckpt dir>/eval.json; an
+existing file only with --overwrite).
 """
 import argparse
 import json
 import os
 import sys
+import zipfile
 
 import torch
 from tqdm import tqdm
@@ -23,12 +27,44 @@ from model import GPTConfig
 from train import RunError, TrainConfig, build, load_checkpoint, one_line, set_pairs
 
 
+def check_ckpt_path(path):
+    """The checkpoint path names an existing file (a directory: say which checkpoint in it to give)."""
+    if os.path.isdir(path):
+        inside = [f for f in ("best.pt", "ckpt.pt") if os.path.isfile(os.path.join(path, f))]
+        raise RunError(f"cannot read checkpoint {path}: it is a directory"
+                       + (f"; give a checkpoint in it, e.g. {os.path.join(path, inside[0])}" if inside else ""))
+    if not os.path.exists(path):
+        raise RunError(f"checkpoint not found: {path}")
+
+
+def read_checkpoint(path):
+    """train.load_checkpoint, with a path that is no file and a file that is no PyTorch checkpoint each refused in a
+    line of its own: torch's own error for such a file advises loading it unrestricted, which is no help here."""
+    check_ckpt_path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise RunError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+    if not zipfile.is_zipfile(path) and not head.startswith(b"\x80"):     # torch.save: a zip (or a legacy pickle)
+        what = ("an empty file" if not head else "a zip archive cut short or corrupted" if head.startswith(b"PK")
+                else "not a PyTorch checkpoint file")
+        raise RunError(f"cannot read checkpoint {path}: {what}")
+    try:
+        return load_checkpoint(path)
+    except RunError as e:
+        if "weights_only" not in str(e):
+            raise
+        raise RunError(f"cannot read checkpoint {path}: not a train.py checkpoint (it holds objects other than the "
+                       f"tensors and plain Python types train.py saves)") from None
+
+
 def load_model(path, device="cpu", weights="saved"):
     """Rebuild the model of a checkpoint from its stored config alone. weights="saved": the weights its model entry
     holds (a best.pt: whichever of the trained and averaged weights scored higher; a ckpt.pt: the trained ones);
     "ema": the averaged weights (train.py --ema) a ckpt.pt keeps beside them, e.g. the last ones of a run, which no
     held-out evaluation chose."""
-    ckpt = load_checkpoint(path)
+    ckpt = read_checkpoint(path)
     cfg = ckpt["config"]
     if weights == "ema" and "ema" not in ckpt:
         raise RunError(f"--weights ema: {path} keeps no averaged weights (only a train.py ckpt.pt of a run with --ema "
@@ -73,7 +109,7 @@ def evaluate_baseline(gm, task, K_list, device, batch_size=250):
 class ByPair:
     """Exact match split by the position of the queried pair in the context (1st ... N-th written) and by whether
     another key shares a character with the queried one; and how often the answer's first value character is
-    another pair's instead (a value retrieved without matching the key)."""
+    another pair's instead (a value retrieved without matching the key). A group with no samples has EM None."""
 
     def __init__(self, n_pairs, device):
         self.hits, self.count = torch.zeros(n_pairs, device=device), torch.zeros(n_pairs, device=device)
@@ -94,10 +130,13 @@ class ByPair:
         self.wrong += ((firsts == first[:, None]) & other).any(1).logical_and(first != b["y"][:, 0]).sum().item()
 
     def result(self):
-        return dict(em_by_pair=(self.hits / self.count.clamp(min=1)).tolist(), n_by_pair=self.count.long().tolist(),
-                    em_by_key_overlap=(self.ov_hits / self.ov_count.clamp(min=1)).tolist(),
-                    n_by_key_overlap=self.ov_count.long().tolist(),
-                    other_pair=self.wrong / self.count.sum().item())
+        """EM of each group, None (null in the JSON) for a group no sample fell in, beside each group's count."""
+        def ratio(hits, count):
+            return [h / c if c else None for h, c in zip(hits.tolist(), count.long().tolist())]
+        total = self.count.sum().item()
+        return dict(em_by_pair=ratio(self.hits, self.count), n_by_pair=self.count.long().tolist(),
+                    em_by_key_overlap=ratio(self.ov_hits, self.ov_count), n_by_key_overlap=self.ov_count.long().tolist(),
+                    other_pair=self.wrong / total if total else None)
 
 
 @torch.no_grad()
@@ -143,48 +182,80 @@ def check_out(out, overwrite):
         raise RunError(f"--out {out} exists: pass --overwrite to replace it, or choose another --out")
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("ckpt", help="checkpoint written by train.py (best.pt or ckpt.pt)")
-    p.add_argument("--K_eval", type=int, nargs="+", default=None,
-                   help="WRITE steps at test time (default: the trained --K_eval, else K: the K best.pt was picked at)")
-    p.add_argument("--alpha", type=float, default=None, help="inner lr alpha of Eq. (5) at test time (default: the trained one)")
-    p.add_argument("--pairs", type=int, default=None, help="KV pairs (default: the pairs the checkpoint was trained at)")
-    p.add_argument("--n_eval", type=int, default=None, help="held-out samples (default: the trained --n_eval; "
-                   "another value or --pairs draws a set training did not exclude: at 1 pair a few percent "
-                   "of it may repeat training contexts)")
-    p.add_argument("--eval_seed", type=int, default=None, help="draw the held-out set from this seed (default: the "
-                   "trained --eval_seed, the set best.pt was picked on; another seed gives a set nothing was chosen "
-                   "on: --eval_seed 777 --n_eval 5000 is README's independent 8-pair set)")
+def em_of(em):
+    """An EM for the printed report; a group without samples has none."""
+    return "no samples" if em is None else f"EM {em:.4f}"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's default in its help, the description's examples as laid out."""
+
+
+class Parser(argparse.ArgumentParser):
+    """A bad flag value: one line naming it, exit status 2 (the usage is under --help)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser():
+    """The command line: every flag with its help and its default shown."""
+    p = Parser(prog="eval.py", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("ckpt", help="checkpoint written by train.py (best.pt or ckpt.pt of its --out_dir)")
+    p.add_argument("--K_eval", type=int, nargs="+", default=None, metavar="K",
+                   help="WRITE steps at test time, one evaluation per value, each >= 0; None: the checkpoint's "
+                   "trained --K_eval, else its K (the K best.pt was picked at)")
+    p.add_argument("--alpha", type=float, default=None, help="inner lr alpha of Eq. (5) at test time, finite and > 0 "
+                   "(GradMem checkpoints only); None: the trained alpha")
+    p.add_argument("--pairs", type=int, default=None, help="KV pairs per context, >= 1; None: the pairs the "
+                   "checkpoint was trained at")
+    p.add_argument("--n_eval", type=int, default=None, help="held-out samples, >= 1; None: the trained --n_eval. "
+                   "Another value or --pairs draws a set training did not exclude: at 1 pair a few percent of it "
+                   "may repeat training contexts")
+    p.add_argument("--eval_seed", type=int, default=None, help="draw the held-out set from this seed, >= 0; None: "
+                   "the trained --eval_seed, the set best.pt was picked on. Another seed gives a set nothing was "
+                   "chosen on (--eval_seed 777 --n_eval 5000: README's independent 8-pair set)")
     p.add_argument("--weights", default="saved", choices=["saved", "ema"], help="saved: the checkpoint's model "
                    "weights; ema: the averaged weights a ckpt.pt keeps (train.py --ema), e.g. a run's last ones")
-    p.add_argument("--eval_file", default="", help="evaluate on this JSONL split")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--out", default="", help="JSON output (default: <ckpt dir>/eval.json)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (by default an earlier "
+    p.add_argument("--eval_file", default=None, help="evaluate on this JSONL split (data.py save_jsonl) instead of "
+                   "a drawn set; None: draw it from --eval_seed")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to evaluate; auto: "
+                   "cuda when available, else cpu")
+    p.add_argument("--out", default=None, help="JSON output, a new .json file; None: eval.json beside the checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (otherwise an existing "
                    "result is never replaced)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval.json")
     try:
-        check_out(out, args.overwrite)                      # before the evaluation, not after it
-        device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-        if device == "cuda" and not torch.cuda.is_available():
-            raise RunError("--device cuda but no CUDA device is available")
+        if args.K_eval is not None and min(args.K_eval) < 0:          # flags first: nothing loaded for a bad one
+            raise RunError(f"--K_eval must be >= 0, got {' '.join(map(str, args.K_eval))}")
+        if (args.pairs is not None and args.pairs < 1) or (args.n_eval is not None and args.n_eval < 1):
+            raise RunError(f"--pairs and --n_eval must be >= 1, got {args.pairs}, {args.n_eval}")
+        if args.alpha is not None and not 0 < args.alpha < float("inf"):
+            raise RunError(f"--alpha must be finite and > 0, got {args.alpha}")
         if args.eval_seed is not None and args.eval_seed < 0:
             raise RunError(f"--eval_seed must be >= 0, got {args.eval_seed}")
         if args.eval_seed is not None and args.eval_file:
             raise RunError("--eval_seed draws a held-out set and --eval_file reads one: give one of them")
+        if args.eval_file and not os.path.isfile(args.eval_file):
+            raise RunError(f"--eval_file {args.eval_file}: " + ("it is a directory" if os.path.isdir(args.eval_file)
+                                                                   else "no such file"))
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RunError("--device cuda but no CUDA device is available")
+        check_ckpt_path(args.ckpt)
+        check_out(out, args.overwrite)                      # before the evaluation, not after it
         gm, cfg = load_model(args.ckpt, device, args.weights)
         tc = cfg["train"]
         K_list = args.K_eval or [cfg["gradmem"]["K"] if cfg["gradmem"]["K_eval"] < 0 else cfg["gradmem"]["K_eval"]]
         if args.alpha is not None:
-            if not isinstance(gm, GradMem) or not 0 < args.alpha < float("inf"):
-                raise RunError(f"--alpha needs a GradMem checkpoint and a finite alpha > 0, got {args.alpha}")
+            if not isinstance(gm, GradMem):
+                raise RunError(f"--alpha needs a GradMem checkpoint; {args.ckpt} is a {tc.get('model', 'gradmem')} one")
             gm.cfg.alpha = args.alpha
-        if min(K_list) < 0:
-            raise RunError(f"--K_eval must be >= 0, got {K_list}")
-        if (args.pairs is not None and args.pairs < 1) or (args.n_eval is not None and args.n_eval < 1):
-            raise RunError(f"--pairs and --n_eval must be >= 1, got {args.pairs}, {args.n_eval}")
         pairs = args.pairs or cfg["pairs"]            # a curriculum stage's checkpoint: its own number of pairs
         if not args.pairs and cfg["pairs"] != tc["pairs"]:
             print(f"note: {args.ckpt} is from the curriculum's {cfg['pairs']}-pair stage of a --pairs {tc['pairs']} "
@@ -206,12 +277,13 @@ def main(argv=None):
                       for n, w in (("all", 8), ("key", 7), ("value", 7), ("sep", 7)))                      # no WRITE loss
         print(f"{r['K_eval']:>6} {r['em']:>7.4f} {r['acc']:>8.4f} {wl}")
     for r in results:
-        print(f"K_eval={r['K_eval']}: EM by queried pair, in the order written (1 .. {pairs}): "
-              + " ".join(f"{x:.2f}" for x in r["em_by_pair"])
-              + f"; first value character from another pair: {r['other_pair']:.3f}")
+        by_pair = ", ".join(f"{i}: " + ("no samples" if x is None else f"{x:.2f}") for i, x in enumerate(r["em_by_pair"], 1))
+        other = "no samples" if r["other_pair"] is None else f"{r['other_pair']:.3f}"
+        print(f"K_eval={r['K_eval']}: EM by queried pair, in the order written: {by_pair}; "
+              f"first value character from another pair: {other}")
         (e0, e1), (n0, n1) = r["em_by_key_overlap"], r["n_by_key_overlap"]
-        print(f"K_eval={r['K_eval']}: EM {e0:.4f} where no other key shares a character with the queried one "
-              f"({n0} samples), {e1:.4f} where one does ({n1})")
+        print(f"K_eval={r['K_eval']}: {em_of(e0)} where no other key shares a character with the queried one "
+              f"({n0} samples), {em_of(e1)} where one does ({n1})")
     with open(out + ".tmp", "w") as f:
         json.dump(dict(ckpt=args.ckpt, weights=cfg["weights"], step=cfg["step"], pairs=pairs, n_eval=len(task.eval[0]),
                        eval_set=args.eval_file or f"eval_seed {eval_seed}", K_train=cfg["gradmem"]["K"],

@@ -1,12 +1,12 @@
 """
 Figures for GradMem (arXiv:2603.13875v2) from this project's own logs: reads only out_dir/log.jsonl and eval.json.
 
-    python plot.py curves results/kv4/log.jsonl results/kv8/log.jsonl -o results/curves.png   # held-out EM vs step
-    python plot.py keval results/kv8/eval.json -o results/fig4.png                           # Figure 4a/4b
-    python plot.py memsize out/appF_*/log.jsonl -o appF.png        # App. F: EM vs m, K (runs that reached their --pairs)
+    python plot.py curves out/quick/log.jsonl -o out/quick/curves.png  # held-out EM vs step (a line per log)
+    python plot.py keval out/quick/eval.json -o out/quick/fig4.png     # Fig. 4a/4b from eval.py --K_eval 0 1 2 5
+    python plot.py memsize out/appF_*/log.jsonl -o appF.png  # App. F: EM vs m, K (runs that reached their --pairs)
 
-`curves` plots held-out exact match against training step (and wall time) for each run, with a dotted line where a
-run's curriculum moved on to more pairs;
+`curves` plots held-out exact match against training step (and wall time) for each run, one marker per evaluation,
+with a dotted line where a run's curriculum moved on to more pairs;
 `keval` plots EM against K_eval (Fig. 4a) and the WRITE loss on key and value tokens (Fig. 4b, App. E);
 `memsize` plots each run's best held-out EM against its number of memory vectors m, one line per (pairs, K) (App. F).
 """
@@ -14,16 +14,63 @@ import argparse
 import json
 import os
 import sys
+from contextlib import contextmanager
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
+
+
+class InputError(Exception):
+    """Bad input: main prints it as one line and exits non-zero."""
+
+
+def open_input(path):
+    """The input file opened for reading, or one InputError line naming what is wrong with the path."""
+    if os.path.isdir(path):
+        raise InputError(f"{path} is a directory, not a file")
+    try:
+        return open(path, encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"cannot read {path}: {e.strerror or e}") from None
 
 
 def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """A train.py log.jsonl: one JSON object per line."""
+    recs = []
+    with open_input(path) as f:
+        try:
+            lines = f.readlines()
+        except UnicodeDecodeError:
+            raise InputError(f"{path}: not a train.py log.jsonl (not UTF-8 text)") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict):
+            if n == len(lines) and not line.endswith("\n") and recs:     # a last line cut short by a kill
+                print(f"note: {path}:{n}: skipped its unfinished last line", file=sys.stderr)
+                continue
+            raise InputError(f"{path}:{n}: not a train.py log.jsonl (each line one JSON object)")
+        recs.append(rec)
+    return recs
+
+
+def read_eval(path):
+    """An eval.py eval.json."""
+    with open_input(path) as f:
+        try:
+            ev = json.load(f)
+        except ValueError:            # JSONDecodeError, UnicodeDecodeError
+            ev = None
+    if not isinstance(ev, dict) or not isinstance(ev.get("results"), list) or not ev["results"]:
+        raise InputError(f"{path}: not an eval.py eval.json (a JSON object with its results)")
+    return ev
 
 
 def header(recs):
@@ -64,69 +111,108 @@ def stage_changes(recs):
     return [r for r in recs if r.get("kind") == "stage"]
 
 
+@contextmanager
+def fields_of(path, what):
+    """A record of path without a field the figure reads (or with one of another type): one line naming the file."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise InputError(f"{path}: not {what} this figure reads ({e.__class__.__name__}: {e})") from None
+
+
+def check_out(out):
+    """-o: an image format matplotlib writes, in an existing directory; checked before any input is read."""
+    ext = os.path.splitext(out)[1].lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext not in formats:
+        raise InputError(f"-o {out}: give an image file ending in one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise InputError(f"-o {out}: {parent} is not a directory")
+    if os.path.isdir(out):
+        raise InputError(f"-o {out} is a directory")
+
+
+def save(fig, out):
+    """Write the figure and close it (its artists stay readable); returns it."""
+    fig.tight_layout()
+    try:
+        fig.savefig(out, dpi=120)
+    except OSError as e:
+        raise InputError(f"cannot write {out}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+    return fig
+
+
 def plot_curves(paths, out):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     colors = plt.cm.tab20.colors if len(paths) > 10 else plt.cm.tab10.colors     # one colour per run
     for i, path in enumerate(paths):
-        recs = read_jsonl(path)
-        ev = [r for r in recs if r.get("kind") == "eval"]
-        if not ev:
-            raise ValueError(f"{path}: no eval records")
-        lab = label_of(path, recs)
-        line, = ax1.plot([r["step"] for r in ev], [100 * r["em"] for r in ev], label=lab, color=colors[i % len(colors)])
-        ax2.plot(wall_minutes(ev), [100 * r["em"] for r in ev], label=lab, color=line.get_color())
-        avg = [r for r in ev if "ema_em" in r]         # train.py --ema: the averaged weights, dashed
-        if avg:
-            ax1.plot([r["step"] for r in avg], [100 * r["ema_em"] for r in avg], ls="--", lw=1, color=line.get_color(),
-                     label=f"{lab} (averaged weights)")
-            ax2.plot(wall_minutes(avg), [100 * r["ema_em"] for r in avg], ls="--", lw=1, color=line.get_color())
-        for r in stage_changes(recs):      # --curriculum_em: where the run moved on to more pairs
-            ax1.axvline(r["step"], ls=":", lw=0.8, color=line.get_color())
-            ax1.annotate(f" N={r['pairs']}", (r["step"], 0.02), xycoords=("data", "axes fraction"), fontsize=7,
-                         color=line.get_color(), rotation=90, va="bottom")
+        with fields_of(path, "a train.py log.jsonl"):
+            recs = read_jsonl(path)
+            ev = [r for r in recs if r.get("kind") == "eval"]
+            if not ev:
+                raise InputError(f"{path}: no eval records (train.py writes one every --eval_interval steps)")
+            lab = label_of(path, recs)
+            line, = ax1.plot([r["step"] for r in ev], [100 * r["em"] for r in ev], "o-", ms=4, label=lab,
+                             color=colors[i % len(colors)])             # a marker per evaluation: one shows too
+            ax2.plot(wall_minutes(ev), [100 * r["em"] for r in ev], "o-", ms=4, label=lab, color=line.get_color())
+            avg = [r for r in ev if "ema_em" in r]         # train.py --ema: the averaged weights, dashed, triangles
+            if avg:
+                ax1.plot([r["step"] for r in avg], [100 * r["ema_em"] for r in avg], "^--", ms=3, lw=1,
+                         color=line.get_color(), label=f"{lab} (averaged weights)")
+                ax2.plot(wall_minutes(avg), [100 * r["ema_em"] for r in avg], "^--", ms=3, lw=1, color=line.get_color())
+            for r in stage_changes(recs):      # --curriculum_em: where the run moved on to more pairs
+                ax1.axvline(r["step"], ls=":", lw=0.8, color=line.get_color())
+                ax1.annotate(f" N={r['pairs']}", (r["step"], 0.02), xycoords=("data", "axes fraction"), fontsize=7,
+                             color=line.get_color(), rotation=90, va="bottom")
     ax1.set(xlabel="training step", ylabel="held-out exact match (%)", title="KV retrieval")
     ax2.set(xlabel="wall time of the run (min)", ylabel="held-out exact match (%)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    return save(fig, out)
 
 
 def plot_keval(paths, out):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for path in paths:
-        with open(path) as f:
-            ev = json.load(f)
-        res = ev["results"]
-        ks = [r["K_eval"] for r in res]
-        lab = f"N={ev['pairs']}, K_train={ev['K_train']}"
-        ax1.plot(ks, [100 * r["em"] for r in res], "o-", label=lab)
-        ax1.axvline(ev["K_train"], ls="--", color="r", lw=0.8)     # extrapolation starts here (Fig. 4a)
-        ax2.plot(ks, [r["write_loss_key"] for r in res], "o-", label=f"{lab}: key tokens")
-        ax2.plot(ks, [r["write_loss_value"] for r in res], "s--", label=f"{lab}: value tokens")
+        ev = read_eval(path)
+        with fields_of(path, "an eval.py eval.json"):
+            res = ev["results"]
+            ks = [r["K_eval"] for r in res]
+            lab = f"N={ev['pairs']}, K_train={ev['K_train']}"
+            ax1.plot(ks, [100 * r["em"] for r in res], "o-", label=lab)
+            ax1.axvline(ev["K_train"], ls="--", color="r", lw=0.8)     # extrapolation starts here (Fig. 4a)
+            wl = [r for r in res if "write_loss_key" in r]           # a baseline's eval.json has no WRITE loss
+            if wl:
+                ax2.plot([r["K_eval"] for r in wl], [r["write_loss_key"] for r in wl], "o-", label=f"{lab}: key tokens")
+                ax2.plot([r["K_eval"] for r in wl], [r["write_loss_value"] for r in wl], "s--", label=f"{lab}: value tokens")
     ax1.set(xlabel="WRITE steps at test time K_eval", ylabel="exact match (%)", title="Fig. 4a: more WRITE steps")
     ax2.set(xlabel="WRITE steps at test time K_eval", ylabel="L_write(M_K) per token (nats)", title="Fig. 4b: inner loss")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
+    return save(fig, out)
 
 
 def memsize_points(paths):
     """App. F: {(pairs, K): [(n_mem, best EM at the run's final number of pairs), ...] sorted by n_mem}."""
     points = {}
     for path in paths:
-        recs = read_jsonl(path)
-        head = header(recs)
-        if head is None:
-            raise ValueError(f"{path}: no header record")
-        t, g = head["config"]["train"], head["config"]["gradmem"]
-        ev = [r for r in recs if r.get("kind") == "eval" and r.get("pairs", t["pairs"]) == t["pairs"]]
-        if not ev:
-            raise ValueError(f"{path}: no eval records at {t['pairs']} pairs")
-        points.setdefault((t["pairs"], g["K"]), []).append((g["n_mem"], max(best_em(r) for r in ev)))
+        with fields_of(path, "a train.py log.jsonl"):
+            recs = read_jsonl(path)
+            head = header(recs)
+            if head is None:
+                raise InputError(f"{path}: no header record (not a train.py log.jsonl)")
+            t, g = head["config"]["train"], head["config"]["gradmem"]
+            ev = [r for r in recs if r.get("kind") == "eval" and r.get("pairs", t["pairs"]) == t["pairs"]]
+            if not ev:
+                raise InputError(f"{path}: no eval records at {t['pairs']} pairs")
+            points.setdefault((t["pairs"], g["K"]), []).append((g["n_mem"], max(best_em(r) for r in ev)))
     return {key: sorted(v) for key, v in sorted(points.items())}
 
 
@@ -138,20 +224,40 @@ def plot_memsize(paths, out):
     ax.set(xlabel="memory vectors m", ylabel="best held-out exact match (%)", title="App. F: memory size vs WRITE steps")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    return save(fig, out)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's default in its help, the description's examples as laid out."""
+
+
+class Parser(argparse.ArgumentParser):
+    """A bad flag value: one line naming it, exit status 2 (the usage is under --help)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser():
+    """The command line: every flag with its help and its default shown."""
+    p = Parser(prog="plot.py", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("figure", choices=["curves", "keval", "memsize"], help="which figure: curves (EM vs step and wall "
+                   "time), keval (Fig. 4a/4b: EM and WRITE loss vs K_eval), memsize (App. F: best EM vs m)")
+    p.add_argument("inputs", nargs="+", help="train.py log.jsonl files (curves, memsize) or eval.py eval.json files "
+                   "(keval), one line or point set each")
+    p.add_argument("-o", "--out", required=True, default=argparse.SUPPRESS,
+                   help="output image, e.g. a .png or .pdf path in an existing directory")
+    return p
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("figure", choices=["curves", "keval", "memsize"])
-    p.add_argument("inputs", nargs="+", help="log.jsonl files (curves, memsize) or eval.json files (keval)")
-    p.add_argument("-o", "--out", required=True, help="output image (.png, .pdf)")
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
+        check_out(args.out)
         dict(curves=plot_curves, keval=plot_keval, memsize=plot_memsize)[args.figure](args.inputs, args.out)
-    except (OSError, ValueError, KeyError) as e:
-        sys.exit(f"plot.py: error: {e.__class__.__name__}: {e}")
+    except InputError as e:
+        plt.close("all")
+        sys.exit(f"plot.py: error: {e}")
     print(f"wrote {args.out}")
 
 

@@ -9,7 +9,6 @@ import json
 import math
 import os
 import re
-import runpy
 import shutil
 import signal
 import sys
@@ -1000,6 +999,104 @@ def test_train_then_eval_smoke(tmp_path, capsys):
     assert plot.wall_minutes([dict(time=60.0), dict(time=120.0), dict(time=30.0)]) == [1.0, 2.0, 2.5]
 
 
+def test_plot_curves_marks_each_evaluation_so_a_single_one_shows(tmp_path, monkeypatch):
+    """A run with one evaluation: each axes of the curves figure holds a visible marker at that point."""
+    path = tmp_path / "run" / "log.jsonl"
+    path.parent.mkdir()
+    path.write_text(json.dumps(dict(kind="eval", step=250, em=0.5, ema_em=0.75, time=30.0)) + "\n")
+    figs, savefig = [], plot.plt.Figure.savefig
+    monkeypatch.setattr(plot.plt.Figure, "savefig", lambda fig, *a, **kw: (figs.append(fig), savefig(fig, *a, **kw)))
+    plot.main(["curves", str(path), "-o", str(tmp_path / "c.png")])
+    fig, = figs
+    assert (tmp_path / "c.png").stat().st_size > 1000
+    for ax, x in zip(fig.axes, (250, 0.5)):                              # EM vs step, EM vs wall minutes
+        shown = [(ln.get_xdata().tolist(), ln.get_ydata().tolist()) for ln in ax.get_lines()
+                 if ln.get_marker() not in ("None", "", " ", None) and ln.get_markersize() > 0]
+        assert shown == [([x], [50.0]), ([x], [75.0])]                   # the trained and the averaged weights
+
+
+@pytest.mark.parametrize("script", ["eval", "plot"])
+def test_help_shows_every_flag_with_help_and_default_and_runnable_examples(script, capsys):
+    """--help: each flag has help text, defaults are shown, and the examples name out/ paths, never results/."""
+    import argparse
+    mod = eval_script if script == "eval" else plot
+    p = mod.build_parser()
+    assert issubclass(p.formatter_class, argparse.ArgumentDefaultsHelpFormatter)
+    assert all(a.help for a in p._actions), [a.dest for a in p._actions if not a.help]
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "out/quick/" in out and "results/" not in out
+    assert "(default: None)" not in out if script == "plot" else "(default: saved)" in out
+
+
+def test_eval_and_plot_refuse_bad_input_in_one_line(tmp_path, capsys):
+    """A file that is no checkpoint, a directory, a missing file, bad flag values, a wrong --out / -o: one line each,
+    non-zero exit, and for a non-checkpoint no advice to load it unrestricted."""
+    (tmp_path / "notes.md").write_text("# not a checkpoint\n")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    torch.save({"model": np.zeros(2)}, tmp_path / "np.pt")                # a pickle weights_only refuses
+    (tmp_path / "run").mkdir()
+    out = ["--out", str(tmp_path / "e.json")]
+    for argv, match in (([str(tmp_path / "notes.md")], r"cannot read checkpoint .*notes\.md: not a PyTorch checkpoint file$"),
+                        ([str(tmp_path / "empty.pt")], "empty.pt: an empty file"),
+                        ([str(tmp_path / "np.pt")], "np.pt: not a train.py checkpoint"),
+                        ([str(tmp_path / "run")], "run: it is a directory"),
+                        ([str(tmp_path / "none.pt")], "checkpoint not found"),
+                        ([str(tmp_path / "none.pt"), "--K_eval", "1", "-1"], "--K_eval must be >= 0"),   # flags first
+                        ([str(tmp_path / "none.pt"), "--alpha", "nan"], "--alpha must be finite"),
+                        ([str(tmp_path / "none.pt"), "--eval_file", str(tmp_path)], "--eval_file .*directory")):
+        with pytest.raises(SystemExit) as e:
+            eval_script.main(argv + out)
+        msg = e.value.code
+        assert isinstance(msg, str) and msg.startswith("eval.py: error: ") and "\n" not in msg, msg
+        assert re.search(match, msg) and "weights_only" not in msg, msg
+    with pytest.raises(SystemExit, match="ending in .json"):
+        eval_script.main([str(tmp_path / "notes.md"), "--out", str(tmp_path / "e.txt")])
+    capsys.readouterr()
+    for main, argv in ((eval_script.main, ["x.pt", "--K_eval", "a"]), (plot.main, ["bogus", "x", "-o", "x.png"])):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "error: argument" in err, err
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps(dict(kind="eval", step=1, em=0.5, time=1.0)) + "\n")
+    (tmp_path / "eval.json").write_text(json.dumps(dict(pairs=2, K_train=1, results=[dict(K_eval=1, em=0.5)]), indent=1))
+    for argv, match in ((["curves", str(tmp_path / "none.jsonl")], "cannot read .*none.jsonl"),
+                        (["curves", str(tmp_path)], "is a directory"),
+                        (["curves", str(tmp_path / "eval.json")], r"eval.json:1: not a train.py log.jsonl"),
+                        (["keval", str(log)], "not an eval.py eval.json"),
+                        (["curves", str(log), "-o", str(tmp_path / "c.json")], "-o .*c.json: give an image file"),
+                        (["curves", str(log), "-o", str(tmp_path / "no" / "c.png")], "is not a directory")):
+        with pytest.raises(SystemExit) as e:
+            plot.main(argv + ([] if "-o" in argv else ["-o", str(tmp_path / "f.png")]))
+        assert e.value.code.startswith("plot.py: error: ") and "\n" not in e.value.code, e.value.code
+        assert re.search(match, e.value.code), e.value.code
+    plot.main(["keval", str(tmp_path / "eval.json"), "-o", str(tmp_path / "k.png")])   # no WRITE loss: EM only
+    log.write_text(log.read_text() + '{"kind": "ev')                     # a last line cut short by a kill: skipped
+    plot.main(["curves", str(log), "-o", str(tmp_path / "c.png")])
+    assert "skipped its unfinished last line" in capsys.readouterr().err
+
+
+def test_eval_reports_a_group_without_samples_as_no_samples(tmp_path, capsys):
+    """--n_eval 1 at 2 pairs: one queried pair and one key-overlap group get no sample; the report says so and the
+    JSON holds null for them, never an EM of 0."""
+    run = str(tmp_path / "run")
+    train.main(SMALL + ["--K=1", "--max_steps=1", f"--out_dir={run}"])
+    capsys.readouterr()
+    res = eval_script.main([os.path.join(run, "best.pt"), "--n_eval=1", "--out", str(tmp_path / "e.json")])
+    text = capsys.readouterr().out
+    r = res[0]
+    assert sorted(r["n_by_pair"]) == [0, 1] and sorted(r["n_by_key_overlap"]) == [0, 1]
+    for em, n in ((r["em_by_pair"], r["n_by_pair"]), (r["em_by_key_overlap"], r["n_by_key_overlap"])):
+        assert [e is None for e in em] == [c == 0 for c in n]
+    saved = json.load(open(tmp_path / "e.json"))["results"][0]
+    assert None in saved["em_by_pair"] and None in saved["em_by_key_overlap"]
+    assert re.search(r"EM by queried pair, in the order written: .*\d: no samples", text), text
+    assert re.search(r"no samples where (no other key shares a character with the queried one \(0 samples\)|"
+                     r"one does \(0\))", text), text
+
+
 def test_plot_memsize_takes_each_runs_best_at_its_final_pairs(tmp_path):
     """App. F figure: one point per run, its best EM at the run's own --pairs (a curriculum's easier stages ignored)."""
     def log(name, n_mem, K, pairs, evals):
@@ -1271,12 +1368,6 @@ def test_best_checkpoint_holds_the_averaged_weights_when_they_score_higher(tmp_p
     assert plot.best_em(ev[0]) == 0.6
     eval_script.main([os.path.join(out, "best.pt"), f"--out={tmp_path}/e.json"])
     assert json.load(open(f"{tmp_path}/e.json"))["weights"] == "ema"                # eval.py says which weights
-    # results/gpu/ema_of_ckpt.py: the average held in ckpt.pt, written as the checkpoint train.py itself saved as best.pt
-    monkeypatch.setattr(sys, "argv", ["ema_of_ckpt.py", os.path.join(out, "ckpt.pt"), f"{tmp_path}/final_ema.pt"])
-    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu", "ema_of_ckpt.py"))
-    final = torch.load(f"{tmp_path}/final_ema.pt", weights_only=True)
-    assert final["weights"] == "ema" and final["model"].keys() == best["model"].keys()
-    assert all(torch.equal(final["model"][k], best["model"][k]) for k in best["model"])
     # eval.py --weights ema reads the same average straight from ckpt.pt: the same numbers as best.pt, and not the
     # trained weights' numbers; best.pt keeps no average to read
     ev_best = eval_script.main([os.path.join(out, "best.pt"), f"--out={tmp_path}/b.json", "--n_eval=200"])
