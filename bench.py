@@ -36,10 +36,10 @@ def matmul_peak_gflops(device, n=2048):
     return 2 * n ** 3 / statistics.median(times[2:]) / 1e9
 
 
-def bench(step_fn, model, steps, device, graphed=None, profile=False, **info):
+def bench(step_fn, net, steps, device, graphed=None, profile=False, **info):
     """Median wall time of step_fn(step, graphed) over `steps` steps after 2 warm-up steps, and peak memory.
     FLOPs and the profile come from an eager step (a graph replay bypasses the counters; a compiled WRITE step is
-    swapped for the eager one, which runs the same matmuls). info: fields copied into the printed JSON line."""
+    swapped for the eager one, which runs the same matmuls). net: the model trained; info: fields copied into the printed JSON line."""
     def median_step(graphed):
         times = []
         for step in range(steps + 2):
@@ -55,13 +55,13 @@ def bench(step_fn, model, steps, device, graphed=None, profile=False, **info):
     sec = median_step(graphed)
     peak_gb = peak_memory_gb(device)
     extra = {} if graphed is None else dict(eager_s_per_step=median_step(None))   # the gain, side by side
-    compiled = getattr(model, "compiled_grad", None)
+    compiled = getattr(net, "compiled_grad", None)
     if compiled is not None:
-        model.compiled_grad = None
+        net.compiled_grad = None
     with FlopCounterMode(display=False) as fc:    # matmul FLOPs of one step, backward and double backward included
         step_fn(0, None)
     if compiled is not None:
-        model.compiled_grad = compiled
+        net.compiled_grad = compiled
     if profile:
         from torch.profiler import ProfilerActivity, profile as torch_profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])

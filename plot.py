@@ -134,9 +134,10 @@ def check_out(out):
         raise InputError(f"-o {out} is a directory")
 
 
-def save(fig, out):
-    """Write the figure and close it (its artists stay readable); returns it."""
-    fig.tight_layout()
+def save(fig, out, rect=(0, 0, 1, 1)):
+    """Write the figure and close it (its artists stay readable); returns it. rect: the part of the figure the axes
+    fill (room left below for a legend)."""
+    fig.tight_layout(rect=rect)
     try:
         fig.savefig(out, dpi=120)
     except OSError as e:
@@ -177,26 +178,32 @@ def plot_curves(paths, out):
 
 
 def plot_keval(paths, out):
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for path in paths:
+    """Fig. 4a / 4b: one colour per model (eval.json); WRITE loss on value tokens solid, on key tokens dotted; the
+    model's training K marked on its line; the legend below the axes, off the data."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.6))
+    colors = plt.cm.tab10.colors
+    for i, path in enumerate(paths):
         ev = read_eval(path)
         with fields_of(path, "an eval.py eval.json"):
-            res = ev["results"]
+            res, c = ev["results"], colors[i % len(colors)]
             ks = [r["K_eval"] for r in res]
-            lab = f"N={ev['pairs']}, K_train={ev['K_train']}"
-            ax1.plot(ks, [100 * r["em"] for r in res], "o-", label=lab)
-            ax1.axvline(ev["K_train"], ls="--", color="r", lw=0.8)     # extrapolation starts here (Fig. 4a)
+            lab = f"N={ev['pairs']}, trained at K={ev['K_train']}"
+            ax1.plot(ks, [100 * r["em"] for r in res], "o-", color=c, label=lab)
+            at = [r for r in res if r["K_eval"] == ev["K_train"]]      # extrapolation starts here (Fig. 4a)
+            if at:
+                ax1.plot([ev["K_train"]], [100 * at[0]["em"]], "*", ms=14, color=c, mec="k")
             wl = [r for r in res if "write_loss_key" in r]           # a baseline's eval.json has no WRITE loss
             if wl:
-                ax2.plot([r["K_eval"] for r in wl], [r["write_loss_key"] for r in wl], "o-", label=f"{lab}: key tokens")
-                ax2.plot([r["K_eval"] for r in wl], [r["write_loss_value"] for r in wl], "s--", label=f"{lab}: value tokens")
-    ax1.set(xlabel="WRITE steps at test time K_eval", ylabel="exact match (%)", title="Fig. 4a: more WRITE steps")
-    ax2.set(xlabel="WRITE steps at test time K_eval", ylabel="L_write(M_K) per token (nats)", title="Fig. 4b: inner loss")
+                ax2.plot([r["K_eval"] for r in wl], [r["write_loss_value"] for r in wl], "o-", color=c)
+                ax2.plot([r["K_eval"] for r in wl], [r["write_loss_key"] for r in wl], "o:", lw=1, ms=3, color=c)
+    ax1.set(xlabel="WRITE steps at test time K_eval", ylabel="exact match (%)",
+            title="Fig. 4a: EM vs test-time WRITE steps (star: trained K)")
+    ax2.set(xlabel="WRITE steps at test time K_eval", ylabel="L_write(M_K) per token (nats)",
+            title="Fig. 4b: WRITE loss, value tokens (solid) and keys (dotted)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        if ax.get_lines():
-            ax.legend(fontsize=8)
-    return save(fig, out)
+    fig.legend(*ax1.get_legend_handles_labels(), loc="lower center", ncol=min(4, len(paths)), fontsize=8, frameon=False)
+    return save(fig, out, rect=(0, 0.07 + 0.04 * ((len(paths) - 1) // 4), 1, 1))
 
 
 def memsize_points(paths):

@@ -222,7 +222,9 @@ def check_match(path, saved, cfgs, sections, skip=RESUMABLE):
         for name, value in asdict(cfgs[sec]).items():
             if name in skip or name in NOT_FLAGS:
                 continue
-            old = saved.get(sec, {}).get(name)
+            if name not in saved.get(sec, {}):
+                raise RunError(f"checkpoint {path} has no {name} in its config; this run has {name}={value!r}")
+            old = saved[sec][name]
             if old != value:
                 raise RunError(f"checkpoint {path} has {name}={old!r} but this run has {name}={value!r}")
 
@@ -470,11 +472,11 @@ def run(cfgs, argv):
         init_from(gm, tcfg.init_from, cfgs)
     if tcfg.ema and not tcfg.bench:
         ema = WeightEMA(gm, tcfg.ema)                 # from the weights trained on (a checkpoint's, if any)
-        if tcfg.resume and "ema" in ckpt:             # a checkpoint from before --ema: the average starts here
+        if tcfg.resume:                               # --ema is fixed on --resume, so ckpt.pt holds its average
             try:
                 ema.load_state_dict(ckpt["ema"])
-            except ValueError as e:
-                raise RunError(f"checkpoint {ckpt_path}: {e}") from None
+            except (KeyError, ValueError) as e:
+                raise RunError(f"checkpoint {ckpt_path}: {e if isinstance(e, ValueError) else 'it holds no --ema average'}") from None
     if tcfg.bench:
         from bench import bench
         return bench(lambda step, graphed: train_step(gm, opt, task, step, tcfg, device, autocast, graphed), gm,
