@@ -80,10 +80,7 @@ class GradMem(nn.Module):
         q (B, n, 5) and y (B, n, 4) ask each context n keys; the task loss is then their mean, logits (B n, L, V)."""
         K = self.cfg.K if K is None else K
         mem, info = write(self, ctx, K)
-        if q.dim() == 3:          # several queries per context (train.py --queries): each READs the same M_K
-            task_loss, logits = read_loss(self.model, mem.repeat_interleave(q.size(1), 0), q.flatten(0, 1), y.flatten(0, 1))
-        else:
-            task_loss, logits = read_loss(self.model, mem, q, y)
+        task_loss, logits = read_loss(self.model, mem, q, y)
         loss = task_loss
         if self.training and K > 0 and self.cfg.aux_write > 0:
             loss = loss + self.cfg.aux_write * info["losses"][-1] / ctx.size(0)  # aux: L_write(M_{K-1}), batch mean
@@ -159,7 +156,12 @@ def write_grad(gm, mem, ctx):
 
 
 def read_loss(model, mem, q, y):
-    """READ, Eq. (8): cross-entropy of the target y given [M_K; Q] (teacher forced). Returns (loss, logits (B, L, V))."""
+    """READ, Eq. (8): cross-entropy of the target y given [M_K; Q] (teacher forced). Returns (loss, logits (B, L, V)).
+    q (B, n, 5) and y (B, n, 4) ask each context n keys (train.py --queries), all READ from the same M_K: the loss is
+    then their mean and the logits (B n, L, V), sample-major."""
+    if q.dim() == 3:
+        n = q.size(1)
+        return read_loss(model, mem.repeat_interleave(n, 0), q.flatten(0, 1), y.flatten(0, 1))
     L = y.size(1)
     if mem.dim() == 3:
         x = torch.cat([mem, model.embed(q), model.embed(y[:, :-1])], dim=1)   # [M; Q; y_1..y_{L-1}]

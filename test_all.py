@@ -465,6 +465,19 @@ def test_aux_write_loss_is_write_loss_before_last_step():
 # ---------------------------------------------------------------- baselines
 
 
+def test_rmt_several_queries_read_one_memory(tmp_path):
+    # --queries for RMT: each of the n asked keys READs the same M_K; the loss is the mean of n one-query READs
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**dict(TINY, n_layer=1))).double()
+    rmt = baselines.RMT(model, n_mem=3, K=1).double()
+    b = data.KVTask(3, 0, 1, 8).train_batch(0, 2, queries=3)
+    mem = rmt.write(b["ctx"], 1)
+    ref = sum(read_loss(model, mem, b["q"][:, j], b["y"][:, j])[0] for j in range(3)) / 3
+    assert torch.allclose(rmt(b["ctx"], b["q"], b["y"])["task_loss"], ref, atol=1e-12)
+    res = train.main(SMALL + ["--model=rmt", "--queries=0", "--max_steps=2", f"--out_dir={tmp_path}/r"])
+    assert 0 <= res["em"] <= 1
+
+
 def test_rmt_memory_is_last_hidden_states():
     """RMT WRITE: M_{k+1} = W f([M_k; C; M_k])[-m:], checked on a one-layer toy by an explicit loop."""
     torch.manual_seed(0)

@@ -53,8 +53,9 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay (the authors': 0)"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this"})
     queries: int = field(default=-1, metadata={"help": "keys asked of each training context, all READ from its one M_K "
-                                                       "(0: every pair; capped at the stage's pairs); evaluation asks one. "
-                                                       "-1: 0 for GradMem, 1 for the other models (1 is the paper's protocol)"})
+                                                       "(0: every pair; capped at the stage's pairs); evaluation asks one. GradMem "
+                                                       "and RMT only; -1: 0 for GradMem, 1 for the other models (1 is the "
+                                                       "paper's protocol)"})
     ema: float = field(default=0.999, metadata={"help": "decay of an exponential moving average of the weights "
                        "(ema.py), evaluated beside them; best.pt holds whichever scores higher (0: off)"})
     max_steps: int = field(default=20000, metadata={"help": "optimizer steps in all, over every curriculum stage"})
@@ -406,8 +407,8 @@ def run(cfgs, argv):
         raise RunError(f"--rmt_rec is RMT's reconstruction loss; this run trains --model {tcfg.model}")
     if gcfg.segment and tcfg.model != "armt":
         raise RunError(f"--segment splits ARMT's WRITE into segments; this run trains --model {tcfg.model}")
-    if tcfg.queries != 1 and tcfg.model != "gradmem":
-        raise RunError(f"--queries asks GradMem's one memory several keys; this run trains --model {tcfg.model}")
+    if tcfg.queries != 1 and tcfg.model not in ("gradmem", "rmt"):
+        raise RunError(f"--queries asks one written memory several keys (GradMem, RMT); this run trains --model {tcfg.model}")
     if tcfg.compile and (tcfg.model != "gradmem" or gcfg.meta_grad != "second" or tcfg.cuda_graph):
         raise RunError(f"--compile compiles GradMem's second-order WRITE step; this run has --model {tcfg.model}, "
                        f"--meta_grad {gcfg.meta_grad}{', --cuda_graph' if tcfg.cuda_graph else ''}")
