@@ -184,3 +184,29 @@ def score(logits, y, y_mask):
     greedy decoding here: a sample counts only if every scored token is right, in which case both agree."""
     hit = token_hits(logits, y, y_mask)
     return int(hit.all(1).sum()), ((hit & y_mask).sum() / y_mask.sum()).item()
+
+
+@torch.no_grad()
+def write_until(gm, ctx, threshold, K_max, alpha=None):
+    """WRITE, Eq. (5), stopped per sample: sample b moves only while its per-token L_write(M_k; C) (Eq. 4) is not
+    below `threshold`, for at most K_max steps (threshold -inf: exactly K_max steps, as write()). Evaluation only: no
+    meta-gradient. Returns M ((B, m, C), or (B, n_layer, 2, m, C) with --memory kv), the steps each sample took (B,),
+    and L_write per sample at M_0 .. M_k, (B, k+1): a stopped sample's value stays at the loss it stopped at."""
+    head = gm.write_head if gm.write_head is not None else gm.model.lm_head
+    alpha = gm.cfg.alpha if alpha is None else alpha
+    mem = gm.mem0.expand(ctx.size(0), *gm.mem0.shape)
+    n_tok = (ctx != PAD).sum(1).clamp(min=1)
+    steps, losses = torch.zeros(ctx.size(0), dtype=torch.long, device=ctx.device), []
+    for k in range(K_max + 1):
+        with torch.enable_grad():
+            mem = mem.detach().requires_grad_()
+            loss, nll = write_loss(gm.model, head, mem, ctx)                  # Eq. (4) at M_k, summed over samples
+            losses.append(nll.detach().sum(1) / n_tok)                       # per sample, per token
+            move = ~(losses[-1] < threshold)                                 # NaN is not below: it does not stop
+            if k == K_max or not move.any():
+                break
+            g, = torch.autograd.grad(loss, mem)
+        step = move.view(-1, *[1] * (mem.dim() - 1))
+        mem = torch.where(step, mem - alpha * g, mem)          # Eq. (5): M_{k+1} = M_k - alpha grad_M L_write, moving samples
+        steps += move
+    return mem.detach(), steps, torch.stack(losses, 1)

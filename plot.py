@@ -1,14 +1,18 @@
 """
-Figures for GradMem (arXiv:2603.13875v2) from this project's own logs: reads only out_dir/log.jsonl and eval.json.
+Figures for GradMem (arXiv:2603.13875v2) from this project's own logs: reads only out_dir/log.jsonl, eval.json and
+eval.py --cost's JSON.
 
     python plot.py curves out/quick/log.jsonl -o out/quick/curves.png  # held-out EM vs step (a line per log)
     python plot.py keval out/quick/eval.json -o out/quick/fig4.png     # Fig. 4a/4b from eval.py --K_eval 0 1 2 5
     python plot.py memsize out/appF_*/log.jsonl -o appF.png  # App. F: EM vs m, K (runs that reached their --pairs)
+    python plot.py cost out/quick/cost.json -o out/quick/cost.png      # App. D from eval.py --cost: break-even
 
 `curves` plots held-out exact match against training step (and wall time) for each run, one marker per evaluation,
 with a dotted line where a run's curriculum moved on to more pairs;
 `keval` plots EM against K_eval (Fig. 4a) and the WRITE loss on key and value tokens (Fig. 4b, App. E);
-`memsize` plots each run's best held-out EM against its number of memory vectors m, one line per (pairs, K) (App. F).
+`memsize` plots each run's best held-out EM against its number of memory vectors m, one line per (pairs, K) (App. F);
+`cost` plots the total time and FLOPs of answering q queries about one context, GradMem per K against the
+full-context transformer with a KV cache, with the break-even q* marked (App. D, Fig. 7).
 """
 import argparse
 import json
@@ -234,6 +238,82 @@ def plot_memsize(paths, out):
     return save(fig, out)
 
 
+def read_cost(path):
+    """An eval.py --cost JSON."""
+    with open_input(path) as f:
+        try:
+            rec = json.load(f)
+        except ValueError:            # JSONDecodeError, UnicodeDecodeError
+            rec = None
+    if not isinstance(rec, dict) or not isinstance(rec.get("results"), list) or not rec["results"] \
+            or not all(isinstance(r, dict) and "write" in r for r in rec["results"]):
+        raise InputError(f"{path}: not an eval.py --cost JSON (a JSON object with its results per context length)")
+    return rec
+
+
+def cost_lines(r, unit):
+    """One context length's cost lines: {name: (once, per query, break-even q or "never")} in `unit` (time_s or
+    flops), GradMem with the cached READ (WRITE and M_K's KV cache once, then a READ over it) per K, then full
+    context (prefill once, then a query over the KV cache, break-even None)."""
+    key = "time" if unit == "time_s" else "flops"
+    lines = {}
+    for w, be in zip(r["write"], r["break_even"]):
+        if w["K"] != be["K"]:
+            raise KeyError(f"break_even K={be['K']} beside write K={w['K']}")
+        lines[f"GradMem K={w['K']}"] = (w[unit] + r["memory_prefill"][unit], r["read_cached"][unit], be[key])
+    lines["full context"] = (r["prefill"][unit], r["per_query"][unit], None)
+    return lines
+
+
+def plot_cost(paths, out):
+    """App. D / Fig. 7: total cost of answering q queries about one context, GradMem (one colour per K) against the
+    full-context transformer with a KV cache (black, dashed); time on top, FLOPs below, a column per context length;
+    a star and q* where each GradMem line crosses the full-context one. One input file."""
+    if len(paths) != 1:
+        raise InputError(f"cost draws one eval.py --cost JSON, got {len(paths)} files")
+    path = paths[0]
+    rec = read_cost(path)
+    with fields_of(path, "an eval.py --cost JSON"):
+        res = rec["results"]
+        fig, axes = plt.subplots(2, len(res), figsize=(5.2 * len(res), 7.4), squeeze=False)
+        colors = plt.cm.tab10.colors
+        for col, r in enumerate(res):
+            for row, (unit, scale, ylabel) in enumerate((("time_s", 1e3, "total time (ms)"),
+                                                         ("flops", 1e-9, "total GFLOP"))):
+                ax, lines = axes[row][col], cost_lines(r, unit)
+                finite = [q for *_, q in lines.values() if isinstance(q, int)]
+                q_max = max(10, round(1.3 * max(finite))) if finite else 100
+                qs = [0, q_max]
+                never = []
+                for i, (name, (once, per, q_star)) in enumerate(lines.items()):
+                    full = name == "full context"
+                    c = "k" if full else colors[i % len(colors)]
+                    ax.plot(qs, [scale * (once + q * per) for q in qs], "--" if full else "-", color=c,
+                            lw=2 if full else 1.6, label=name)
+                    if isinstance(q_star, int):
+                        ax.plot([q_star], [scale * (once + q_star * per)], "*", ms=13, color=c, mec="k", zorder=3)
+                        ax.annotate(f"q*={q_star}", (q_star, scale * (once + q_star * per)), xytext=(6, -12),
+                                    textcoords="offset points", fontsize=8, color=c,
+                                    bbox=dict(fc="white", ec="none", alpha=0.8, pad=0.5))
+                    elif not full:
+                        never.append(name.split()[-1])
+                plain = ", ".join(f"K={be['K']}: {be[('time' if unit == 'time_s' else 'flops') + '_plain_read']}"
+                                  for be in r["break_even"])
+                note = ([f"never breaks even: {', '.join(never)}"] if never else []) + [f"plain READ q*: {plain}"]
+                ax.text(0.02, 0.98, "\n".join(note), transform=ax.transAxes, fontsize=7, va="top", color="0.3")
+                ax.set(xlim=(0, q_max), ylim=(0, None), xlabel="queries about the same context q", ylabel=ylabel)
+                ax.grid(alpha=0.3)
+            axes[0][col].set_title(f"T = {r['ctx_tokens']} context tokens ({r['pairs']} KV pairs)")
+    dev = rec.get("device_name") or rec.get("device", "")
+    fig.suptitle(f"App. D: cost of q queries, batch {rec.get('batch', '?')}, {dev}, {rec.get('threads', '?')} "
+                 f"thread(s)", fontsize=10)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=len(lines), fontsize=8, frameon=False)
+    fig.text(0.5, 0.045, "GradMem: WRITE (K steps) and the KV cache of M_K once, then per query a READ of [Q; Y] over "
+             "it; full context: prefill once, then per query [Q; Y] over the context's KV cache",
+             ha="center", fontsize=7, color="0.3")
+    return save(fig, out, rect=(0, 0.07, 1, 0.97))
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Every flag's default in its help, the description's examples as laid out."""
 
@@ -248,10 +328,11 @@ class Parser(argparse.ArgumentParser):
 def build_parser():
     """The command line: every flag with its help and its default shown."""
     p = Parser(prog="plot.py", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("figure", choices=["curves", "keval", "memsize"], help="which figure: curves (EM vs step and wall "
-                   "time), keval (Fig. 4a/4b: EM and WRITE loss vs K_eval), memsize (App. F: best EM vs m)")
-    p.add_argument("inputs", nargs="+", help="train.py log.jsonl files (curves, memsize) or eval.py eval.json files "
-                   "(keval), one line or point set each")
+    p.add_argument("figure", choices=["curves", "keval", "memsize", "cost"], help="which figure: curves (EM vs step "
+                   "and wall time), keval (Fig. 4a/4b: EM and WRITE loss vs K_eval), memsize (App. F: best EM vs m), "
+                   "cost (App. D: cost vs queries and the break-even)")
+    p.add_argument("inputs", nargs="+", help="train.py log.jsonl files (curves, memsize), eval.py eval.json files "
+                   "(keval), one line or point set each; or one eval.py --cost JSON (cost)")
     p.add_argument("-o", "--out", required=True, default=argparse.SUPPRESS,
                    help="output image, e.g. a .png or .pdf path in an existing directory")
     return p
@@ -261,7 +342,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         check_out(args.out)
-        dict(curves=plot_curves, keval=plot_keval, memsize=plot_memsize)[args.figure](args.inputs, args.out)
+        dict(curves=plot_curves, keval=plot_keval, memsize=plot_memsize, cost=plot_cost)[args.figure](args.inputs, args.out)
     except InputError as e:
         plt.close("all")
         sys.exit(f"plot.py: error: {e}")

@@ -465,6 +465,382 @@ def test_aux_write_loss_is_write_loss_before_last_step():
 # ---------------------------------------------------------------- baselines
 
 
+# ---------------------------------------------------------------- memory.py: a context written once, read many times
+
+
+@pytest.fixture(scope="module")
+def memory_ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("memory") / "run"
+    train.main(SMALL + ["--K=2", "--max_steps=2", "--queries=1", f"--out_dir={out}"])
+    return str(out / "ckpt.pt")
+
+
+def greedy_by_read_loss(model, mem, q, n):
+    """Greedy decoding through gradmem.read_loss: y_j = argmax of the teacher-forced logits at position j given y_<j."""
+    y = q[:, :0]
+    for _ in range(n):
+        _, logits = read_loss(model, mem, q, torch.cat([y, torch.zeros_like(q[:, :1])], 1))
+        y = torch.cat([y, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return y
+
+
+def test_memory_file_round_trip(memory_ckpt, tmp_path, capsys):
+    import memory
+    ctx, queries, m = "!ab:cd!!ef:gh!|", ["?!ab:", "?!ef:", "?!zz:"], str(tmp_path / "m.pt")
+    rec = memory.main(["write", memory_ckpt, "--context", ctx, "--out", m])
+    gm, _ = eval_script.load_model(memory_ckpt)
+    ids = torch.tensor([data.encode(ctx)])
+    traj = [gm.mem0[None].detach()] + [write(gm, ids, k)[0] for k in (1, 2)]       # M_0, M_1, M_2 (checkpoint K = 2)
+    saved = torch.load(m, weights_only=True)
+    assert torch.equal(saved["memory"], traj[2][0]) and saved["memory"].dtype == torch.float32
+    assert (saved["K"], saved["n_tokens"], saved["n_mem"], saved["n_embd"]) == (2, 15, 2, 16)
+    assert saved["write_loss"] == pytest.approx([write_loss(gm.model, gm.write_head, t, ids)[1].mean().item()
+                                                 for t in traj], rel=1e-6)              # Eq. (4) per token at M_k
+    assert rec["size"] == os.path.getsize(m) and rec["kv_cache_bytes"] == 1 * 2 * 15 * 16 * 4
+    capsys.readouterr()
+    answers = memory.main(["read", memory_ckpt, m] + [a for q in queries for a in ("--query", q)])
+    printed = capsys.readouterr().out.splitlines()
+    for q, a, line in zip(queries, answers, printed):
+        y = greedy_by_read_loss(gm.model, traj[2], torch.tensor([data.encode(q)]), memory.MAX_NEW)[0].tolist()
+        y = y[:y.index(data.BAR) + 1] if data.BAR in y else y
+        text = "".join(data.VOCAB[i] for i in y)
+        assert a == text[:-2] if text.endswith("!|") else a.startswith(text + " (no end marker")
+        assert line == f"{q} -> {a}"
+    # --write_until: a threshold between L_write(M_0) and L_write(M_1) stops at step 1 with exactly M_1;
+    # one no step reaches takes --K_max steps and gives exactly fixed K = K_max
+    l0, l1 = saved["write_loss"][:2]
+    assert l1 < l0
+    for flags, K, mem in ((["--write_until", repr((l0 + l1) / 2)], 1, traj[1]),
+                          (["--write_until", "1e-9", "--K_max", "2"], 2, traj[2])):
+        rec = memory.main(["write", memory_ckpt, "--context", ctx, "--out", m, "--overwrite"] + flags)
+        assert rec["K"] == K and torch.equal(torch.load(m, weights_only=True)["memory"], mem[0])
+
+
+def test_memory_file_refusals(memory_ckpt, tmp_path):
+    import memory
+    m, new = str(tmp_path / "m.pt"), str(tmp_path / "new.pt")
+    memory.main(["write", memory_ckpt, "--context", "!ab:cd!|", "--out", m])
+    good, sha = open(m, "rb").read(), torch.load(m, weights_only=True)["weights_sha256"]
+    read = lambda path, *flags: ["read", memory_ckpt, path, "--query", "?!ab:", *flags]
+
+    def refused(argv, *words):
+        with pytest.raises(SystemExit) as e:
+            memory.main(argv)
+        assert isinstance(e.value.code, str) and "\n" not in e.value.code, e.value.code
+        assert all(w in e.value.code for w in words), e.value.code
+        return e.value.code
+
+    ck = torch.load(memory_ckpt, weights_only=True)
+    ck["model"]["mem0"][0, 0] += 1e-6                       # the same model, one weight moved
+    torch.save(ck, tmp_path / "other.pt")
+    msg = refused(["read", str(tmp_path / "other.pt"), m, "--query", "?!ab:"], sha)
+    assert len(set(re.findall(r"\b[0-9a-f]{64}\b", msg)) - {sha}) == 1       # names both hashes
+    refused(read(m, "--weights", "ema"), sha)               # the averaged weights did not write it
+    open(tmp_path / "cut.pt", "wb").write(good[:len(good) // 2])
+    refused(read(str(tmp_path / "cut.pt")), "truncated")
+    refused(read(memory_ckpt), "not a memory file", "train.py checkpoint")
+    rec = torch.load(m, weights_only=True)
+    rec.update(memory=torch.zeros(3, 16), n_mem=3)
+    torch.save(rec, tmp_path / "shape.pt")
+    refused(read(str(tmp_path / "shape.pt")), "(3, 16)", "(2, 16)")
+    refused(["write", memory_ckpt, "--context", "", "--out", new], "context is empty")
+    refused(["write", memory_ckpt, "--context", "!ab cd!|", "--out", new], "' ' at character 4")
+    for bad in ("0", "-1", "nan", "inf"):
+        refused(["write", memory_ckpt, "--context", "!ab:cd!|", "--out", new, "--write_until", bad], "--write_until")
+    assert not os.path.exists(new)
+    refused(["write", memory_ckpt, "--context", "!ef:gh!|", "--out", m], "exists", "--overwrite")
+    open(new, "w").write("notes")
+    refused(["write", memory_ckpt, "--context", "!ef:gh!|", "--out", new, "--overwrite"], "not a torch.save file")
+    assert open(m, "rb").read() == good and open(new).read() == "notes"
+    assert memory.main(read(m)) and memory.weights_sha256(eval_script.load_model(memory_ckpt)[0]) == sha
+
+
+def test_write_until_stops_each_sample_at_its_threshold():
+    gm, ctx = tiny_gradmem().eval(), tiny_batch(B=4)["ctx"]
+    traj = [write(gm, ctx, 0)[0]]
+    for _ in range(3):
+        traj.append(write(gm, ctx, 1, traj[-1])[0])                  # M_0 .. M_3, Eq. (5) one step at a time
+    L = torch.stack([write_loss(gm.model, gm.write_head, t, ctx)[1].mean(1) for t in traj], 1)   # (B, 4) per token
+    thr = (L[0, 0] + L[0, 1]).item() / 2                             # sample 0 stops at step 1
+    first = [next((k for k in range(4) if L[i, k] < thr), 3) for i in range(4)]
+    assert first[0] == 1 and max(first) == 3                         # some samples stop, others move on
+    for thr, K_max, want in ((thr, 3, first), (1e-9, 3, [3] * 4), (1e-9, 1, [1] * 4), (L.max().item() + 1, 3, [0] * 4)):
+        mem, steps, losses = gradmem.write_until(gm, ctx, thr, K_max)
+        assert steps.tolist() == want
+        for i, k in enumerate(want):                                 # each sample stopped at its own M_k, exactly
+            assert torch.equal(mem[i], traj[k][i]) and losses[i, -1].item() == pytest.approx(L[i, k].item(), rel=1e-9)
+
+
+# ---------------------------------------------------------------- eval.py --cost: the compute break-even of App. D
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_kv_cache_forward_equals_the_full_forward(style):
+    """Prefill a context into the KV cache, then answer two queries over it: each equals the model's forward over the
+    whole [C; Q] at the query positions, and the second query sees the context, not the first query. The cached READ
+    over M_K's keys and values gives read_loss's logits."""
+    kw = dict(TINY) if style == "llama" else dict(TINY, mlp="gelu", norm="layer", pos="learned", bias=True, tie=False)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**kw)).double()
+    b, b2 = tiny_batch(B=2, n_pairs=3, seed=0), tiny_batch(B=2, n_pairs=3, seed=1)
+    ctx, n = b["ctx"], b["ctx"].size(1)
+    cache = eval_script.new_kv_cache(model, 2, n + 8, "cpu", torch.float64)
+    with torch.no_grad():
+        h_ctx = eval_script.kv_cache_forward(model, model.embed(ctx), cache, 0)
+        for q in (b["q"], b2["q"]):
+            h = eval_script.kv_cache_forward(model, model.embed(q), cache, n)
+            full = model(model.embed(torch.cat([ctx, q], 1)))
+            assert torch.allclose(h, full[:, n:], atol=1e-12) and torch.allclose(h_ctx, full[:, :n], atol=1e-12)
+    gm = tiny_gradmem()
+    gm.eval()
+    mem = write(gm, ctx, 2)[0]
+    y = b["y"]
+    mcache = eval_script.new_kv_cache(gm.model, 2, 3 + 8, "cpu", torch.float64)
+    with torch.no_grad():
+        eval_script.kv_cache_forward(gm.model, mem, mcache, 0)
+        qy = gm.model.embed(torch.cat([b["q"], y[:, :-1]], 1))
+        cached = gm.model.lm_head(eval_script.kv_cache_forward(gm.model, qy, mcache, 3)[:, -4:])
+        assert torch.allclose(cached, read_loss(gm.model, mem, b["q"], y)[1], atol=1e-12)
+
+
+def test_cost_flops_match_a_hand_count_of_the_matmuls():
+    """Every FLOP count of eval.py --cost on a tiny model equals a count by hand: per token and layer the linear maps
+    (qkv d x 3d, out d x d, SwiGLU d x 2h and h x d), attention 4 S_q S_k d forward over the whole score matrix and
+    10 S^2 d backward (scores recomputed, dV, dP, dQ, dK), the LM / WRITE head on the scored positions; WRITE's
+    backward goes to M only (each linear map once more, for its input: no weight gradients)."""
+    gm = tiny_gradmem().float()
+    gm.eval()
+    d, h, V, layers, m, B = 16, 32, len(data.VOCAB), 2, 3, 2
+    lin = 2 * d * 3 * d + 2 * d * d + 2 * d * 2 * h + 2 * h * d              # one token through one layer
+    fwd = lambda S, S_k: layers * (S * lin + 4 * S * S_k * d)               # S new tokens over S_k keys
+    r = eval_script.measure_cost(gm, 22, [1, 2], B, 1, "cpu")
+    n = r["ctx_tokens"]
+    assert (r["pairs"], n, r["query_tokens"], r["answer_tokens"]) == (3, 22, 5, 4)
+    S = m + n - 1                                                          # WRITE input [M; t_1 .. t_{n-1}]
+    step = B * (2 * layers * S * lin + layers * (4 + 10) * S * S * d + 2 * 2 * n * d * V)
+    assert [w["flops"] for w in r["write"]] == [step, 2 * step]
+    assert r["read"]["flops"] == B * (fwd(m + 8, m + 8) + 2 * 4 * d * V)      # [M; Q; y_1..y_3], head on 4
+    assert r["memory_prefill"]["flops"] == B * fwd(m, m)
+    assert r["read_cached"]["flops"] == B * (fwd(8, m + 8) + 2 * 4 * d * V)
+    assert r["prefill"]["flops"] == B * fwd(n, n)
+    assert r["per_query"]["flops"] == B * (fwd(8, n + 8) + 2 * 4 * d * V)
+    assert r["memory_floats"] == dict(gradmem=m * d, gradmem_kv=layers * 2 * m * d, full_context=layers * 2 * n * d)
+    assert all(v["time_s"] > 0 for v in [*r["write"], r["read"], r["prefill"], r["per_query"]])
+
+
+def test_break_even_is_the_smallest_number_of_queries_where_memory_is_cheaper():
+    be = eval_script.break_even
+    assert be(100, 1, 10, 4) == 30                       # 100 + 30 = 130 <= 10 + 120 = 130; at 29: 129 > 126
+    assert be(101, 1, 10, 4) == 31
+    assert be(0.3, 0.1, 0.1, 0.2) == 2                   # 0.2 / 0.1 rounds to 2.0000000000000004: still 2
+    assert be(5, 1, 10, 4) == 1                          # cheaper from the first query
+    assert be(100, 4, 10, 4) is None and be(100, 5, 10, 4) is None    # a READ no cheaper per query: never
+    assert be(5, 5, 10, 4) == 1                          # ... unless the first query is already cheaper
+    rng = np.random.default_rng(0)
+    for _ in range(300):                                 # against a search over q
+        w, r, p, f = rng.uniform(0, 50, 4)
+        brute = next((q for q in range(1, 100000) if w + q * r <= p + q * f), None)
+        assert be(w, r, p, f) == brute
+
+
+def test_cost_cli_writes_its_json_and_plot_draws_it(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    train.main(SMALL + ["--K=1", "--max_steps=1", f"--out_dir={run}"])
+    out = str(tmp_path / "cost.json")
+    eval_script.main([os.path.join(run, "ckpt.pt"), "--cost", "--cost_T", "22", "15", "--cost_K", "1", "3",
+                      "--cost_repeats", "1", "--out", out])
+    rec = json.load(open(out))
+    assert {"source", "model", "device", "threads", "batch", "repeats", "method", "results"} <= rec.keys()
+    assert rec["model"]["n_mem"] == 2 and rec["model"]["n_embd"] == 16
+    assert [r["T"] for r in rec["results"]] == [15, 22] and [r["ctx_tokens"] for r in rec["results"]] == [15, 22]
+    for r in rec["results"]:
+        assert {"write", "read", "memory_prefill", "read_cached", "prefill", "per_query", "memory_floats",
+                "break_even"} <= r.keys()
+        assert [w["K"] for w in r["write"]] == [1, 3] and [b["K"] for b in r["break_even"]] == [1, 3]
+        for b, w in zip(r["break_even"], r["write"]):
+            for unit, key in (("time", "time_s"), ("flops", "flops")):
+                q = b[unit]
+                once, per = w[key] + r["memory_prefill"][key], r["read_cached"][key]
+                full, fq = r["prefill"][key], r["per_query"][key]
+                if q == "never":
+                    assert per >= fq and once + per > full + fq
+                else:
+                    assert once + q * per <= full + q * fq and (q == 1 or once + (q - 1) * per > full + (q - 1) * fq)
+        assert r["memory_floats"]["full_context"] == 1 * 2 * r["ctx_tokens"] * 16
+    assert "break-even queries, K=3" in capsys.readouterr().out
+    figs, savefig = [], plot.plt.Figure.savefig
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plot.plt.Figure, "savefig", lambda fig, *a, **kw: (figs.append(fig), savefig(fig, *a, **kw)))
+        plot.main(["cost", out, "-o", str(tmp_path / "cost.png")])
+    assert (tmp_path / "cost.png").stat().st_size > 1000
+    fig, = figs
+    assert len(fig.axes) == 4                             # time and FLOPs for each of 2 lengths
+    for col, r in enumerate(rec["results"]):
+        for row, unit in enumerate(("time", "flops")):
+            ax = fig.axes[row * 2 + col]
+            stars = [ln for ln in ax.get_lines() if ln.get_marker() == "*"]
+            assert len(stars) == sum(b[unit] != "never" for b in r["break_even"])
+            assert len([ln for ln in ax.get_lines() if ln.get_marker() != "*"]) == 3      # K = 1, 3, full context
+    # without a checkpoint: the default KV model, untrained
+    eval_script.main(["--cost", "--cost_T", "8", "--cost_K", "1", "--cost_repeats", "1", "--out", str(tmp_path / "d.json")])
+    d = json.load(open(tmp_path / "d.json"))
+    assert (d["model"]["n_layer"], d["model"]["n_embd"], d["model"]["n_mem"]) == (4, 128, 8)
+    assert d["results"][0]["memory_floats"]["gradmem"] == 8 * 128
+
+
+def test_cost_refuses_bad_input_in_one_line(tmp_path, capsys):
+    out = ["--out", str(tmp_path / "c.json")]
+    for argv, match in ((["--cost", "--cost_T", "5"], "--cost_T must be >= 8"),
+                        (["--cost", "--cost_K", "0"], "--cost_K, --cost_batch and --cost_repeats >= 1"),
+                        (["--cost", "--cost_T", "99999"], "--cost_T must be <= "),
+                        (["--cost", "--K_eval", "2"], "--K_eval evaluates accuracy and does not apply to --cost"),
+                        (["--cost", str(tmp_path / "none.pt")], "checkpoint not found"),
+                        ([], "give a checkpoint to evaluate"),
+                        ([str(tmp_path / "none.pt"), "--cost_K", "3"], "--cost_K applies to --cost only")):
+        with pytest.raises(SystemExit) as e:
+            eval_script.main(argv + out)
+        msg = e.value.code
+        assert isinstance(msg, str) and msg.startswith("eval.py: error: ") and "\n" not in msg, msg
+        assert re.search(match, msg), msg
+    (tmp_path / "eval.json").write_text(json.dumps(dict(pairs=2, K_train=1, results=[dict(K_eval=1, em=0.5)])))
+    for inputs, match in (([str(tmp_path / "eval.json")], "eval.json: not an eval.py --cost JSON"),
+                          ([str(tmp_path / "eval.json")] * 2, "cost draws one eval.py --cost JSON, got 2")):
+        with pytest.raises(SystemExit) as e:
+            plot.main(["cost", *inputs, "-o", str(tmp_path / "c.png")])
+        assert e.value.code.startswith("plot.py: error: ") and "\n" not in e.value.code, e.value.code
+        assert re.search(match, e.value.code), e.value.code
+
+
+# ---------------------------------------------------------------- train.py under torchrun: several processes
+
+DDP_FLAGS = ["--n_layer=1", "--n_embd=16", "--n_head=2", "--n_hidden=32", "--n_mem=2", "--pairs=2", "--batch_size=8",
+             "--n_eval=32", "--eval_interval=2", "--log_interval=1", "--device=cpu", "--curriculum_em=0", "--K=2",
+             "--warmup=0", "--lr=1e-2"]      # a large first step: a wrong gradient moves the weights visibly
+
+
+def torchrun(argv, n=2, timeout=120, wait=True):
+    """train.py under `torchrun --nproc_per_node n` on a free port, one thread per process: its CompletedProcess, or
+    with wait=False the running Popen."""
+    import socket
+    import subprocess
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
+           f"--master_port={port}", "train.py"] + argv
+    kw = dict(cwd=os.path.dirname(os.path.abspath(__file__)), text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+    return subprocess.run(cmd, capture_output=True, timeout=timeout, **kw)
+
+
+def test_two_processes_train_as_one_on_the_same_global_batch_and_resume_in_one(tmp_path):
+    # 2 gloo processes, each its half of the batch in 2 micro-batches, against 1 process on the whole batch: after two
+    # optimizer steps the weights, Adam's moments (the gradients) and the rank-0-only EMA agree. --target_em 0 stops
+    # both at the step-2 evaluation: a rank that did not follow rank 0 would wait in step 3's all-reduce and fail
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    train.main(DDP_FLAGS + ["--max_steps=2", f"--out_dir={one}"])
+    res = torchrun(DDP_FLAGS + ["--max_steps=4", "--target_em=0", "--grad_accum=2", f"--out_dir={two}"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("reached target EM 0.0 at step 2") == 1            # rank 0 alone prints
+    a, b = (torch.load(f"{d}/ckpt.pt", weights_only=True) for d in (one, two))
+    assert b["step"] == 2 and a["model"].keys() == b["model"].keys()             # no "module." prefix
+    torch.manual_seed(0)                                                         # the weights both started from
+    init = train.build(train.parse_args(DDP_FLAGS)).state_dict()
+    moved = max((a["model"][k] - init[k]).abs().max().item() for k in init)
+    assert moved > 1e-3                                                          # two lr 1e-2 steps moved them
+    for k in a["model"]:
+        assert torch.allclose(a["model"][k], b["model"][k], rtol=1e-5, atol=1e-6), k
+    for k in a["ema"]["avg"]:
+        assert torch.allclose(a["ema"]["avg"][k], b["ema"]["avg"][k], rtol=1e-5, atol=1e-6), k
+    for i in a["optimizer"]["state"]:
+        for m in ("exp_avg", "exp_avg_sq"):
+            x, y = a["optimizer"]["state"][i][m], b["optimizer"]["state"][i][m]
+            assert torch.allclose(x, y, rtol=1e-4, atol=1e-9 if m == "exp_avg" else 1e-12), (i, m)
+    recs = [json.loads(l) for l in open(f"{two}/log.jsonl")]                    # one writer: no repeated records
+    assert [(r["kind"], r.get("step")) for r in recs] == [("header", None), ("train", 1), ("train", 2), ("eval", 2)]
+    assert recs[0]["processes"] == 2 and recs[1]["loss"] == pytest.approx(
+        [json.loads(l) for l in open(f"{one}/log.jsonl")][1]["loss"], rel=1e-5)  # the logged loss: the whole batch's
+    # the 2-process checkpoint resumes in one process, as the 1-process one does
+    for d in (one, two):
+        train.main(DDP_FLAGS + ["--max_steps=3", "--eval_interval=1", f"--out_dir={d}", "--resume"]
+                   + (["--target_em=0", "--grad_accum=2"] if d == two else []))
+    a, b = (torch.load(f"{d}/ckpt.pt", weights_only=True) for d in (one, two))
+    assert a["step"] == b["step"] == 3
+    assert all(torch.allclose(a["model"][k], b["model"][k], rtol=1e-5, atol=1e-6) for k in a["model"])
+
+
+def test_torchrun_refuses_a_global_batch_that_does_not_split_in_one_line(tmp_path, monkeypatch):
+    # checked on every rank before the process group is joined, so no rank waits for another
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        run_fails(DDP_FLAGS + ["--batch_size=9", f"--out_dir={tmp_path}/x"], "--batch_size 9 is the global batch: it "
+                  "must split into 2 processes x --grad_accum 1 equal parts")
+        run_fails(DDP_FLAGS + ["--batch_size=12", "--grad_accum=4", f"--out_dir={tmp_path}/x"], "2 processes x --grad_accum 4")
+        run_fails(DDP_FLAGS + ["--cuda_graph", f"--out_dir={tmp_path}/x"], "--cuda_graph runs in one process only")
+    assert not os.path.exists(tmp_path / "x")
+    res = torchrun(DDP_FLAGS + ["--batch_size=9", f"--out_dir={tmp_path}/y"])
+    assert res.returncode != 0 and res.stderr.count("train.py: error: --batch_size 9 is the global batch") == 2
+    assert not os.path.exists(tmp_path / "y")
+
+
+def every_evaluation_passes(monkeypatch=None):
+    """train.evaluate with EM 1.0: the curriculum moves on at the first evaluation of each stage."""
+    real = train.evaluate
+    fake = lambda gm, task, *a, **kw: dict(real(gm, task, *a, **kw), em=1.0)   # noqa: E731
+    if monkeypatch is None:
+        train.evaluate = fake
+    else:
+        monkeypatch.setattr(train, "evaluate", fake)
+
+
+def curriculum_rank(rank, port, argv):
+    """One of two torch.multiprocessing ranks, in torchrun's environment, with every evaluation passing."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    every_evaluation_passes()
+    train.main(argv)
+
+
+def test_two_processes_follow_rank_0_into_the_next_curriculum_stage(tmp_path, monkeypatch):
+    # rank 0's evaluation at step 2 moves the curriculum from 1 to 2 pairs: rank 1 must train steps 3-4 on 2-pair
+    # batches too (it sees no evaluation), or the averaged gradient, and so the weights, differ from one process's
+    import socket
+    import torch.multiprocessing as mp
+    flags = [f for f in DDP_FLAGS if f != "--curriculum_em=0"] + ["--curriculum_em=0.5", "--max_steps=4", "--ema=0"]
+    every_evaluation_passes(monkeypatch)
+    train.main(flags + [f"--out_dir={tmp_path}/one"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(curriculum_rank, args=(port, flags + [f"--out_dir={tmp_path}/two"]), nprocs=2)
+    a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True) for d in ("one", "two"))
+    assert a["pairs"] == b["pairs"] == 2 and a["last_stage_from"] == b["last_stage_from"] == 2
+    assert all(torch.allclose(a["model"][k], b["model"][k], rtol=1e-5, atol=1e-6) for k in a["model"])
+    kinds = [json.loads(l)["kind"] for l in open(tmp_path / "two" / "log.jsonl")]
+    assert kinds.count("stage") == 1 and kinds.count("eval") == 2
+
+
+def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path):
+    # torchrun passes SIGTERM on to both workers, at slightly different moments; they must agree on the step to stop
+    # after (or one waits forever in the next all-reduce), rank 0 writes ckpt.pt there, and every process exits
+    import time
+    out = tmp_path / "sig"
+    proc = torchrun(DDP_FLAGS + ["--max_steps=100000", "--eval_interval=1000", f"--out_dir={out}"], wait=False)
+    deadline = time.time() + 60
+    while not (out / "log.jsonl").exists() or open(out / "log.jsonl").read().count('"train"') < 3:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    stop = [json.loads(l) for l in open(out / "log.jsonl")][-1]
+    assert stop["kind"] == "stop" and stop["signal"] == "SIGTERM", stderr[-2000:]
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == stop["step"] >= 3
+    assert stdout.count(f"stopped by SIGTERM after step {stop['step']}") == 1
+
+
 def test_rmt_several_queries_read_one_memory(tmp_path):
     # --queries for RMT: each of the n asked keys READs the same M_K; the loss is the mean of n one-query READs
     torch.manual_seed(0)

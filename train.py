@@ -5,9 +5,15 @@ Train GradMem (arXiv:2603.13875v2) or a baseline on associative key-value retrie
     python train.py --task kv --pairs 16 --K 1 --init_from out/kv8/best.pt --out_dir out/kv16   # the next stage by hand
     python train.py --task kv --pairs 8 --K 1 --out_dir out/kv8 --resume   # continue a stopped run (same flags)
     python train.py --pairs 16 --K 5 --batch_size 32 --queries 1 --bench 5   # median s/step and peak memory (bench.py)
+    torchrun --nproc_per_node 2 train.py --task kv --pairs 8 --K 1 --out_dir out/kv8   # 2 processes (see below)
 
 Every flag is a field of GPTConfig (model.py), GradMemConfig (gradmem.py) or TrainConfig (below). Ctrl-C or SIGTERM
 stops training after the current step and writes out_dir/ckpt.pt, which --resume continues.
+
+Under torchrun every process (rank) builds the step's global --batch_size batch and trains on its own contiguous
+slice of it (in --grad_accum micro-batches); the gradients are averaged over the ranks before the optimizer step, so
+the weights stay the same on every rank and equal one process's on the same global batch. Rank 0 alone evaluates,
+prints and writes files (its checkpoints resume under any number of processes); the others follow its decisions.
 """
 import argparse
 import json
@@ -29,6 +35,8 @@ from tqdm import tqdm
 from baselines import ARMT, RMT, FullContext, LaCT, LaCTLM, Mamba, TTTLinearLM
 from cuda_graph import GraphedStep, GraphError
 from data import VOCAB, KVTask, save_jsonl
+from ddp import (RANKS, DistributedError, average_over_ranks, distributed, rank0_decides, rank_slice,
+                 same_weights_on_every_rank, stop_signal, wait_for_rank0)
 from ema import RESET_GAP, WeightEMA
 from gradmem import GradMem, GradMemConfig, score, write_grad
 from model import GPT, GPTConfig
@@ -354,10 +362,10 @@ def n_queries(tcfg, task):
 
 
 def train_step(gm, opt, task, step, tcfg, device, autocast, graphed=None):
-    """One optimizer step on batch `step` (split into grad_accum micro-batches). Returns logged scalars.
-    graphed: a GraphedStep that replaces each micro-batch's forward and backward (--cuda_graph)."""
-    batch = task.train_batch(step, tcfg.batch_size, device, n_queries(tcfg, task))
-    micro = tcfg.batch_size // tcfg.grad_accum
+    """One optimizer step on batch `step` (this rank's slice of it, split into grad_accum micro-batches). Returns
+    logged scalars. graphed: a GraphedStep that replaces each micro-batch's forward and backward (--cuda_graph)."""
+    batch = rank_slice(task.train_batch(step, tcfg.batch_size, device, n_queries(tcfg, task)))
+    micro = batch["ctx"].size(0) // tcfg.grad_accum
     logs = dict(loss=0.0, task_loss=0.0, write_loss=0.0, em=0.0, g_mem=0.0)
     for i in range(tcfg.grad_accum):
         b = {k: v[i * micro:(i + 1) * micro] for k, v in batch.items()}
@@ -367,15 +375,16 @@ def train_step(gm, opt, task, step, tcfg, device, autocast, graphed=None):
         else:
             out = graphed(b)                      # forward and backward, gradients already in .grad
         wl = out["losses"][0].item() / micro if out["losses"] else 0.0
-        if not (math.isfinite(out["loss"].item()) and math.isfinite(wl)):
-            raise RunError(f"non-finite loss at step {step + 1} (task {out['task_loss'].item()}, WRITE {wl}); "
-                           "stopped without saving (try a smaller --alpha or --lr)")
         if graphed is None:
             (out["loss"] / tcfg.grad_accum).backward()
         flat = [b[k].reshape(-1, b[k].size(-1)) for k in ("y", "y_mask")]      # one row per query
         for k, v in (("loss", out["loss"].item()), ("task_loss", out["task_loss"].item()), ("write_loss", wl),
                      ("em", score(out["logits"], *flat)[0] / flat[0].size(0)), ("g_mem", out["grad_norm"].item())):
             logs[k] += v / tcfg.grad_accum
+    average_over_ranks(gm, logs)              # a non-finite loss on any rank reaches every rank's logs
+    if not (math.isfinite(logs["loss"]) and math.isfinite(logs["write_loss"])):
+        raise RunError(f"non-finite loss at step {step + 1} (task {logs['task_loss']}, WRITE {logs['write_loss']}); "
+                       "stopped without saving (try a smaller --alpha or --lr)")
     norm = torch.nn.utils.clip_grad_norm_(gm.parameters(), tcfg.grad_clip)
     if not torch.isfinite(norm):
         raise RunError(f"non-finite gradient norm at step {step + 1}; stopped without saving")
@@ -383,6 +392,10 @@ def train_step(gm, opt, task, step, tcfg, device, autocast, graphed=None):
     opt.zero_grad(set_to_none=True)
     logs["norm"] = norm.item()
     return logs
+
+
+def pick_device(tcfg):
+    return ("cuda" if torch.cuda.is_available() else "cpu") if tcfg.device == "auto" else tcfg.device
 
 
 def git_commit():
@@ -395,7 +408,7 @@ def git_commit():
 
 def run(cfgs, argv):
     tcfg, gcfg = cfgs["train"], cfgs["gradmem"]
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if tcfg.device == "auto" else tcfg.device
+    device = pick_device(tcfg)
     if device == "cuda" and not torch.cuda.is_available():
         raise RunError("--device cuda but no CUDA device is available")
     if device == "cpu" and tcfg.dtype == "bfloat16":
@@ -443,7 +456,7 @@ def run(cfgs, argv):
     auto_accum = not tcfg.grad_accum
     if auto_accum:
         write_len = one["ctx"].size(1) + 2 * gcfg.n_mem
-        tcfg.grad_accum = auto_grad_accum(tcfg.batch_size, write_len, gcfg.K)
+        tcfg.grad_accum = auto_grad_accum(tcfg.batch_size // RANKS.world, write_len, gcfg.K)
     gm = build(cfgs).to(device)
     if tcfg.compile:
         compile_write(gm)
@@ -471,7 +484,8 @@ def run(cfgs, argv):
                 best_em = max(best_em, best["best_em"])
     elif tcfg.init_from:
         init_from(gm, tcfg.init_from, cfgs)
-    if tcfg.ema and not tcfg.bench:
+    same_weights_on_every_rank(gm)
+    if tcfg.ema and not tcfg.bench and RANKS.rank == 0:   # rank 0 alone evaluates and saves the average
         ema = WeightEMA(gm, tcfg.ema)                 # from the weights trained on (a checkpoint's, if any)
         if tcfg.resume:                               # --ema is fixed on --resume, so ckpt.pt holds its average
             try:
@@ -483,7 +497,8 @@ def run(cfgs, argv):
         return bench(lambda step, graphed: train_step(gm, opt, task, step, tcfg, device, autocast, graphed), gm,
                      tcfg.bench, device, make_graphed(gm, task, tcfg, device, autocast), tcfg.profile,
                      model=tcfg.model, pairs=tcfg.pairs, batch_size=tcfg.batch_size, grad_accum=tcfg.grad_accum,
-                     K=gcfg.K, attn=gcfg.attn, compile=tcfg.compile, memory_floats=gm.memory_floats(one["ctx"].size(1)))
+                     K=gcfg.K, attn=gcfg.attn, compile=tcfg.compile, memory_floats=gm.memory_floats(one["ctx"].size(1)),
+                     processes=RANKS.world)
     ctx_len = one["ctx"].size(1)
     print(f"{tcfg.model}: {sum(p.numel() for p in gm.parameters()) / 1e6:.3f} M trained parameters; memory state "
           f"{gm.memory_floats(ctx_len)} floats for a {ctx_len}-token context (App. G); device {device}")
@@ -499,7 +514,7 @@ def run(cfgs, argv):
     def stage(n):
         """Data, LaCT's chunk and the automatic micro-batch for a curriculum stage of n pairs."""
         if auto_accum:
-            tcfg.grad_accum = auto_grad_accum(tcfg.batch_size, 7 * n + 1 + 2 * gcfg.n_mem, gcfg.K)
+            tcfg.grad_accum = auto_grad_accum(tcfg.batch_size // RANKS.world, 7 * n + 1 + 2 * gcfg.n_mem, gcfg.K)
         set_pairs(gm, n)
         return KVTask(n, tcfg.seed, tcfg.eval_seed, tcfg.n_eval)
 
@@ -508,21 +523,24 @@ def run(cfgs, argv):
     graphed = make_graphed(gm, task, tcfg, device, autocast)
     header = dict(kind="header", argv=argv, config={k: asdict(c) for k, c in cfgs.items()}, torch=torch.__version__,
                   commit=git_commit(), device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                  threads=torch.get_num_threads(), resumed_at=step)
-    with open(os.path.join(tcfg.out_dir, "config.json"), "w") as f:
-        json.dump(header, f, indent=1)
+                  threads=torch.get_num_threads(), processes=RANKS.world, resumed_at=step)
     log_path = os.path.join(tcfg.out_dir, "log.jsonl")
-    keep_log(log_path, step)
+    if RANKS.rank == 0:
+        with open(os.path.join(tcfg.out_dir, "config.json"), "w") as f:
+            json.dump(header, f, indent=1)
+        keep_log(log_path, step)
 
     def log(rec):
-        with open(log_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        if RANKS.rank == 0:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
 
     log(header)
     K_eval = gcfg.K if gcfg.K_eval < 0 else gcfg.K_eval
     t0, last = time.time(), None
     speed = StageSpeed(stages, pairs, tcfg.max_steps, tcfg.eval_interval)
-    bar = tqdm(range(step, tcfg.max_steps), initial=step, total=tcfg.max_steps, dynamic_ncols=True, disable=None,
+    bar = tqdm(range(step, tcfg.max_steps), initial=step, total=tcfg.max_steps, dynamic_ncols=True,
+               disable=None if RANKS.rank == 0 else True,
                bar_format="{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}] {postfix}")
     stop = StopOnSignal()
     with stop:
@@ -547,36 +565,45 @@ def run(cfgs, argv):
             bar.set_postfix_str(f"{speed.text(done)} | loss {logs['loss']:.3f} | held-out EM "
                                 + (f"{stage_em:.3f}" if stage_em is not None else "-"), refresh=False)
             if done % tcfg.eval_interval == 0 or done == tcfg.max_steps:
-                if not all(torch.isfinite(p).all() for p in gm.parameters()):
+                if not all(torch.isfinite(p).all() for p in gm.parameters()):     # every rank: the weights are equal
                     raise RunError(f"non-finite weights after step {done}; stopped without saving (try a smaller --lr)")
-                t_eval = time.perf_counter()
-                last = dict(kind="eval", step=done, pairs=pairs, K_eval=K_eval, time=time.time() - t0,
-                            **evaluate(gm, task, K_eval, device))
-                if ema is not None:                       # the averaged weights on the same held-out set
-                    with ema.swapped(gm):
-                        avg = evaluate(gm, task, K_eval, device)
-                    last.update(ema_em=avg["em"], ema_acc=avg["acc"])
-                speed.eval_seconds = time.perf_counter() - t_eval
-                use_ema = ema is not None and last["ema_em"] > last["em"]
-                em = last["ema_em"] if use_ema else last["em"]       # the better of the two decides from here on
-                if ema is not None and last["ema_em"] < last["em"] - RESET_GAP:
-                    ema.reset(gm, warmup=False)   # it averaged across a loss spike the trained weights have left behind
-                    last["ema_reset"] = True
-                log(last)
-                tqdm.write(f"eval step {done} ({pairs} pairs): EM {last['em']:.4f} | token acc {last['acc']:.4f} | "
-                           f"WRITE loss(M_0) {last['write_loss0']:.3f}"
-                           + (f" | averaged weights: EM {last['ema_em']:.4f}" if ema is not None else ""))
-                if em > best_em:
-                    best_em, since_best = em, 0
-                    with ema.swapped(gm) if use_ema else nullcontext():
-                        save_checkpoint(os.path.join(tcfg.out_dir, "best.pt"), gm, opt, done, best_em, cfgs, pairs,
-                                        weights="ema" if use_ema else "trained")
-                else:
-                    since_best += 1
-                if pairs < tcfg.pairs and em >= tcfg.curriculum_em:     # curriculum: on to the next stage
-                    keep = os.path.join(tcfg.out_dir, f"best_n{pairs}.pt")      # the stage's best, kept; best.pt stays
-                    shutil.copyfile(os.path.join(tcfg.out_dir, "best.pt"), keep + ".tmp")   # until the next stage's
-                    os.replace(keep + ".tmp", keep)                                         # first evaluation
+                move_on, finish = False, ""
+                if RANKS.rank == 0:                       # rank 0 evaluates and decides; the other ranks follow
+                    t_eval = time.perf_counter()
+                    last = dict(kind="eval", step=done, pairs=pairs, K_eval=K_eval, time=time.time() - t0,
+                                **evaluate(gm, task, K_eval, device))
+                    if ema is not None:                       # the averaged weights on the same held-out set
+                        with ema.swapped(gm):
+                            avg = evaluate(gm, task, K_eval, device)
+                        last.update(ema_em=avg["em"], ema_acc=avg["acc"])
+                    speed.eval_seconds = time.perf_counter() - t_eval
+                    use_ema = ema is not None and last["ema_em"] > last["em"]
+                    em = last["ema_em"] if use_ema else last["em"]       # the better of the two decides from here on
+                    if ema is not None and last["ema_em"] < last["em"] - RESET_GAP:
+                        ema.reset(gm, warmup=False)   # it averaged across a loss spike the trained weights have left behind
+                        last["ema_reset"] = True
+                    log(last)
+                    tqdm.write(f"eval step {done} ({pairs} pairs): EM {last['em']:.4f} | token acc {last['acc']:.4f} | "
+                               f"WRITE loss(M_0) {last['write_loss0']:.3f}"
+                               + (f" | averaged weights: EM {last['ema_em']:.4f}" if ema is not None else ""))
+                    if em > best_em:
+                        best_em, since_best = em, 0
+                        with ema.swapped(gm) if use_ema else nullcontext():
+                            save_checkpoint(os.path.join(tcfg.out_dir, "best.pt"), gm, opt, done, best_em, cfgs, pairs,
+                                            weights="ema" if use_ema else "trained")
+                    else:
+                        since_best += 1
+                    move_on = pairs < tcfg.pairs and em >= tcfg.curriculum_em
+                    if last["pairs"] == tcfg.pairs and em >= tcfg.target_em:
+                        finish = f"reached target EM {tcfg.target_em} at step {done} ({time.time() - t0:.0f} s)"
+                    elif tcfg.patience and since_best >= tcfg.patience and not move_on:
+                        finish = f"no better EM for {tcfg.patience} evaluations: stopping at step {done}"
+                move_on, finish_now = rank0_decides(move_on, finish)
+                if move_on:                               # curriculum: on to the next stage
+                    if RANKS.rank == 0:
+                        keep = os.path.join(tcfg.out_dir, f"best_n{pairs}.pt")      # the stage's best, kept; best.pt
+                        shutil.copyfile(os.path.join(tcfg.out_dir, "best.pt"), keep + ".tmp")   # stays until the next
+                        os.replace(keep + ".tmp", keep)                                 # stage's first evaluation
                     pairs = stages[stages.index(pairs) + 1]
                     task, best_em, since_best, last_stage_from = stage(pairs), -1.0, 0, done
                     speed.enter(pairs)
@@ -586,21 +613,21 @@ def run(cfgs, argv):
                     graphed = make_graphed(gm, task, tcfg, device, autocast)
                     log(dict(kind="stage", step=done, pairs=pairs, time=time.time() - t0))
                     tqdm.write(f"curriculum: {pairs} pairs from step {done}")
-                save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs, pairs, since_best, last_stage_from, ema)
-                if last["pairs"] == tcfg.pairs and em >= tcfg.target_em:
-                    tqdm.write(f"reached target EM {tcfg.target_em} at step {done} ({time.time() - t0:.0f} s)")
+                if RANKS.rank == 0:
+                    save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs, pairs, since_best, last_stage_from, ema)
+                if finish_now:
+                    tqdm.write(finish)
                     break
-                if tcfg.patience and since_best >= tcfg.patience:
-                    tqdm.write(f"no better EM for {tcfg.patience} evaluations: stopping at step {done}")
-                    break
-            if stop.signum is not None:           # Ctrl-C / SIGTERM: checkpoint this step, then exit
-                save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs, pairs, since_best, last_stage_from, ema)
-                log(dict(kind="stop", step=done, pairs=pairs, signal=signal.Signals(stop.signum).name,
-                         time=time.time() - t0))
+            signum = stop_signal(stop)
+            if signum is not None:                # Ctrl-C / SIGTERM, on any rank: checkpoint this step, then exit
+                if RANKS.rank == 0:
+                    save_checkpoint(ckpt_path, gm, opt, done, best_em, cfgs, pairs, since_best, last_stage_from, ema)
+                wait_for_rank0()                  # no rank exits (and has torchrun stop the others) before that
+                log(dict(kind="stop", step=done, pairs=pairs, signal=signal.Signals(signum).name, time=time.time() - t0))
                 bar.close()
-                print(f"stopped by {signal.Signals(stop.signum).name} after step {done}: {ckpt_path} written; "
+                print(f"stopped by {signal.Signals(signum).name} after step {done}: {ckpt_path} written; "
                       f"continue with the same command plus --resume", flush=True)
-                raise SystemExit(128 + stop.signum)
+                raise SystemExit(128 + signum)
     bar.close()
     trained_at = last["pairs"] if last is not None else pairs     # a stage entered at the last evaluation: not trained
     if trained_at == tcfg.pairs:
@@ -708,8 +735,10 @@ def sample_kv_split(task, n):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     try:
-        return run(parse_args(argv), argv)
-    except RunError as e:
+        cfgs = parse_args(argv)
+        with distributed(cfgs["train"], pick_device(cfgs["train"])):
+            return run(cfgs, argv)
+    except (RunError, DistributedError) as e:
         sys.exit(f"train.py: error: {e}")
 
 
