@@ -207,6 +207,8 @@ def kv_cache_forward(model, x, cache, start):
     same context. Equal to model(whole sequence)[:, start:] (test_kv_cache_forward_equals_the_full_forward)."""
     B, L, C = x.shape
     cfg, end = model.config, start + L
+    if cfg.n_kv_head not in (0, cfg.n_head) or cfg.parallel_residual:
+        raise RunError("--cost measures the KV model's layout: no grouped-query attention, no parallel residual")
     pos = torch.arange(start, end, device=x.device)
     rope = None
     if cfg.pos == "learned":

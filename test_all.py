@@ -841,6 +841,173 @@ def test_sigterm_to_torchrun_stops_every_rank_at_one_step_with_a_checkpoint(tmp_
     assert stdout.count(f"stopped by SIGTERM after step {stop['step']}") == 1
 
 
+# ---------------------------------------------------------------- pretrained checkpoints (GPT.from_pretrained)
+
+from model import PretrainedError, read_safetensors  # noqa: E402
+
+
+def transformers_lib():
+    """transformers builds the reference models: a test dependency (requirements.txt), never skipped."""
+    try:
+        import transformers
+    except ImportError:
+        pytest.fail("transformers is not installed: pip install -r requirements.txt (the pretrained tests need it)")
+    return transformers
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}   # hs 8, theta 500: wavelengths 6, 30, 140, 662 span all 3 bands
+
+
+def hf_tiny(arch):
+    """A tiny random transformers model (float32, eval), its weights perturbed so norms and biases are not 1 and 0."""
+    tf = transformers_lib()
+    torch.manual_seed(0)
+    common = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4, vocab_size=100,
+                  max_position_embeddings=64)
+    hf = {"gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=64)),
+          "neox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(rotary_pct=0.25, **common)),
+          "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, rope_theta=500.0,
+                                                              rope_scaling=LLAMA3_ROPE, **common)),
+          "llama_tied": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=1, tie_word_embeddings=True,
+                                                                   **common))}[arch]().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return hf
+
+
+def save_legacy_bin(hf, arch, folder):
+    """pytorch_model.bin as older checkpoints on the hub hold it: GPT-2 under its base model's names with the causal
+    mask buffers, Pythia and Llama with their RoPE (and mask) buffers; a tied head is stored twice."""
+    hf.save_pretrained(folder)                    # the names transformers writes (Pythia's head: embed_out)
+    state = dict(read_safetensors(os.path.join(folder, "model.safetensors")))
+    os.remove(os.path.join(folder, "model.safetensors"))
+    if arch == "gpt2":
+        state = {k.removeprefix("transformer."): v for k, v in state.items()}
+        state["lm_head.weight"] = state["wte.weight"]
+    for i in range(2):
+        if arch == "gpt2":
+            state[f"h.{i}.attn.bias"] = torch.ones(1, 1, 64, 64).tril()
+        elif arch == "neox":
+            state.update({f"gpt_neox.layers.{i}.attention.{b}": torch.ones(1) for b in ("bias", "masked_bias")})
+            state[f"gpt_neox.layers.{i}.attention.rotary_emb.inv_freq"] = torch.ones(1)
+        else:
+            state[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    torch.save(state, os.path.join(folder, "pytorch_model.bin"))
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "sharded", "bin"])
+@pytest.mark.parametrize("arch", ["gpt2", "neox", "llama", "llama_tied"])
+def test_pretrained_logits_equal_transformers(arch, layout, tmp_path):
+    """GPT-2 (Conv1D transposed, tied head), GPT-NeoX (fused per-head QKV, rotary_pct 0.25, parallel residual, exact
+    GELU, untied embed_out) and Llama (GQA, Llama-3 RoPE scaling; tied with one K/V head): our logits on random ids
+    equal transformers' own forward, from one safetensors file, 20 KB shards with an index, or a legacy .bin."""
+    hf = hf_tiny(arch)
+    if layout == "bin":
+        save_legacy_bin(hf, arch, tmp_path)
+    else:
+        hf.save_pretrained(tmp_path, **({"max_shard_size": "20KB"} if layout == "sharded" else {}))
+    shards, single = list(tmp_path.glob("model-*-of-*.safetensors")), (tmp_path / "model.safetensors").exists()
+    assert {"safetensors": single and not shards, "sharded": len(shards) > 2 and not single,
+            "bin": not shards and not single}[layout]
+    model = GPT.from_pretrained(str(tmp_path))
+    idx = torch.randint(0, 100, (2, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model.lm_head(model(model.embed(idx))), hf(idx).logits, atol=1e-5, rtol=1e-5)
+    assert (model.lm_head.weight is model.transformer.wte.weight) == (arch in ("gpt2", "llama_tied"))
+
+
+def test_llama3_rope_scaling_equals_transformers():
+    """rope_frequencies with llama3 scaling equals transformers' own, at Llama-3.2-1B's (head 64, theta 5e5,
+    factor 32, 1, 4, 8192) and at the tiny test model's settings."""
+    tf = transformers_lib()
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    llama32 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    for theta, rope, hs in ((500000.0, llama32, 64), (500.0, LLAMA3_ROPE, 8)):
+        cfg = tf.LlamaConfig(hidden_size=4 * hs, num_attention_heads=4, rope_theta=theta, rope_scaling=rope)
+        ref, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg)
+        scaling = [rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                     "original_max_position_embeddings")]
+        torch.testing.assert_close(rope_frequencies(hs, theta, True, scaling).float(), ref, rtol=1e-6, atol=0)
+
+
+def test_gqa_second_order_meta_gradient_same_with_hvp_and_explicit_attention():
+    """Grouped-query attention repeats each K/V head before the attention call, so attention_hvp's double backward
+    serves it unchanged: GradMem's second-order meta-gradient (K = 2) equals the one through explicit attention."""
+    b = tiny_batch(n_pairs=3)
+    grads = []
+    for attn in ("hvp", "eager"):
+        torch.manual_seed(0)
+        gm = GradMem(GPT(GPTConfig(**dict(TINY, n_head=4, n_kv_head=2))),
+                     GradMemConfig(n_mem=3, K=2, alpha=0.7, attn=attn)).double()
+        with torch.no_grad():   # as tiny_gradmem: the WRITE head differs from the LM head
+            gm.write_head.weight.add_(0.05 * torch.randn_like(gm.write_head.weight))
+        gm.train()
+        outer_loss(gm, b).backward()
+        grads.append([p.grad for p in gm.parameters()])
+    assert gm.model.transformer.h[0].attn.c_attn.weight.shape == (16 + 2 * 2 * 4, 16)        # q: 4 heads, k, v: 2
+    for a, c in zip(*grads):
+        assert torch.allclose(a, c, atol=1e-12, rtol=1e-9)
+
+
+def test_safetensors_reader_equals_the_package(tmp_path):
+    """model.read_safetensors (no dependency) gives safetensors.torch.load_file's tensors: dtypes, shapes, values."""
+    transformers_lib()
+    from safetensors.torch import load_file, save_file
+    g = torch.Generator().manual_seed(0)
+    tensors = {"f32": torch.randn(3, 5, generator=g), "f64": torch.randn(2, dtype=torch.float64, generator=g),
+               "f16": torch.randn(4, 1, 2, generator=g).half(), "bf16": torch.randn(7, generator=g).bfloat16(),
+               "i64": torch.arange(-3, 3), "u8": torch.arange(5, dtype=torch.uint8), "bool": torch.tensor([True, False]),
+               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3)}
+    save_file(tensors, tmp_path / "t.safetensors", metadata={"format": "pt"})
+    ours, ref = read_safetensors(tmp_path / "t.safetensors"), load_file(tmp_path / "t.safetensors")
+    assert ours.keys() == ref.keys() == tensors.keys()
+    for k in ref:
+        assert ours[k].dtype == ref[k].dtype and ours[k].shape == ref[k].shape and torch.equal(ours[k], ref[k]), k
+
+
+def one_line_error(path, match):
+    with pytest.raises(PretrainedError, match=match) as e:
+        GPT.from_pretrained(str(path))
+    assert "\n" not in str(e.value) and isinstance(e.value, ValueError)
+
+
+def test_pretrained_refuses_a_missing_unexpected_or_misshapen_tensor_naming_it(tmp_path):
+    hf = hf_tiny("neox")
+    from safetensors.torch import save_file
+    hf.save_pretrained(tmp_path)
+    good = {k: v.clone() for k, v in read_safetensors(tmp_path / "model.safetensors").items()}
+    fc, extra, dense = ("gpt_neox.layers.1.mlp.dense_h_to_4h.weight", "gpt_neox.layers.0.attention.extra.weight",
+                        "gpt_neox.layers.1.attention.dense.bias")
+    for drop, add, match in ((dense, {}, f"checkpoint has no tensor {dense} "),
+                             (None, {extra: torch.zeros(2)}, f"checkpoint has unexpected tensor {extra}$"),
+                             (fc, {fc: torch.zeros(48, 31)}, rf"tensor {fc} has shape \(48, 31\), expected \(48, 32\)")):
+        state = {**{k: v for k, v in good.items() if k != drop}, **add}
+        save_file(state, tmp_path / "model.safetensors")
+        one_line_error(tmp_path, match)
+    (tmp_path / "model.safetensors").unlink()
+    one_line_error(tmp_path, "holds no model.safetensors, pytorch_model.bin or their .index.json")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    one_line_error(tmp_path, "config.json: model_type 'bert' is not one of gpt2, gpt_neox or llama")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_head": 2}))
+    one_line_error(tmp_path, "config.json has no 'n_layer'")
+
+
+def test_pretrained_hub_name_offline_or_without_huggingface_hub_says_where_to_put_the_files(tmp_path, monkeypatch):
+    transformers_lib()
+    import huggingface_hub.constants
+    monkeypatch.chdir(tmp_path)                                                 # no local folder of that name
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)     # no download, whatever the network
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    how = "download it with `hf download {0} --local-dir DIR` and pass DIR"
+    one_line_error("EleutherAI/pythia-160m", "EleutherAI/pythia-160m: no local folder and the hub gave .*; "
+                   + re.escape(how.format("EleutherAI/pythia-160m")))
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)                    # import fails: not installed
+    one_line_error("gpt2", "gpt2: no local folder and huggingface_hub is not installed; " + re.escape(how.format("gpt2")))
+
+
 def test_rmt_several_queries_read_one_memory(tmp_path):
     # --queries for RMT: each of the n asked keys READs the same M_K; the loss is the mean of n one-query READs
     torch.manual_seed(0)
