@@ -65,16 +65,22 @@ def read_jsonl(path):
     return recs
 
 
-def read_eval(path):
-    """An eval.py eval.json."""
+def read_results(path, what, row_ok=lambda r: True):
+    """A JSON object whose "results" is a non-empty list of rows that pass row_ok; otherwise one line naming `what`."""
     with open_input(path) as f:
         try:
-            ev = json.load(f)
+            rec = json.load(f)
         except ValueError:            # JSONDecodeError, UnicodeDecodeError
-            ev = None
-    if not isinstance(ev, dict) or not isinstance(ev.get("results"), list) or not ev["results"]:
-        raise InputError(f"{path}: not an eval.py eval.json (a JSON object with its results)")
-    return ev
+            rec = None
+    if not isinstance(rec, dict) or not isinstance(rec.get("results"), list) or not rec["results"] \
+            or not all(row_ok(r) for r in rec["results"]):
+        raise InputError(f"{path}: not {what}")
+    return rec
+
+
+def read_eval(path):
+    """An eval.py eval.json."""
+    return read_results(path, "an eval.py eval.json (a JSON object with its results)")
 
 
 def header(recs):
@@ -240,15 +246,8 @@ def plot_memsize(paths, out):
 
 def read_cost(path):
     """An eval.py --cost JSON."""
-    with open_input(path) as f:
-        try:
-            rec = json.load(f)
-        except ValueError:            # JSONDecodeError, UnicodeDecodeError
-            rec = None
-    if not isinstance(rec, dict) or not isinstance(rec.get("results"), list) or not rec["results"] \
-            or not all(isinstance(r, dict) and "write" in r for r in rec["results"]):
-        raise InputError(f"{path}: not an eval.py --cost JSON (a JSON object with its results per context length)")
-    return rec
+    return read_results(path, "an eval.py --cost JSON (a JSON object with its results per context length)",
+                        lambda r: isinstance(r, dict) and "write" in r)
 
 
 def cost_lines(r, unit):
