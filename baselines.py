@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gradmem import context_nll, read_loss
+from gradmem import PAD, at_target, context_nll, pack, read_loss
 from model import MLP, CausalSelfAttention, RMSNorm, apply_rope, rope_frequencies, rope_tables
 
 
@@ -81,26 +81,43 @@ class RMT(nn.Module):
         m, T = self.mem0.size(0), ctx.size(1)
         head = self.rec_head or self.model.lm_head
         mem = self.mem0.expand(ctx.size(0), -1, -1)
-        emb = self.model.embed(ctx)
+        emb, real, ones = self.model.embed(ctx), ctx != PAD, torch.ones(ctx.size(0), m, dtype=torch.bool, device=ctx.device)
         losses = []
-        for k in range(K + 1 if rec else K):                    # with rec, one more pass for L_rec(M_K)
-            x = [mem, emb, mem] if k < K else [mem, emb]        # the extra pass needs no write tokens
-            h = self.model(torch.cat(x, dim=1))                 # (B, m + T (+ m), C)
+        for k in range(K + 1 if rec else K):                    # with rec, one more pass for L_rec(M_k)
+            if k < K:                                           # [M; C; M], a padded context's pads moved to the end
+                x, (_, _, at) = pack([mem, emb, mem], [ones, real, ones])
+            else:                                               # the extra pass needs no write tokens
+                x = torch.cat([mem, emb], dim=1)
+            h = self.model(x)                                   # (B, m + T (+ m), C)
             if k > 0 and rec:                                   # L_rec(M_k): position m - 1 + i predicts t_{i+1}
                 losses.append(context_nll(head(h[:, m - 1:m - 1 + T]), ctx)[0])
-            if k < K:
-                mem = self.write_proj(h[:, -m:])
+            if k < K:                                           # the states of the second M, the last m when unpadded
+                mem = self.write_proj(at_target(h, at + 1, m))
         return (mem, losses) if rec else mem
 
     def forward(self, ctx, q, y, K=None):
         K = self.K if K is None else K
         rec = self.training and self.rec > 0 and K > 0
         mem, losses = self.write(ctx, K, rec=True) if rec else (self.write(ctx, K), [])
-        task_loss, logits = read_loss(self.model, mem, q, y)
+        task_loss, logits = self.read(mem, q, y)
         out = outputs(task_loss, logits, mem)
         if losses:                                              # logged write_loss: L_rec(M_1), as GradMem's L(M_0)
             out.update(loss=task_loss + self.rec * torch.stack(losses).mean() / ctx.size(0), losses=losses)
         return out
+
+    def memorize(self, ctx, K=None):
+        return self.write(ctx, self.K if K is None else K), {}
+
+    def read(self, mem, q, y):
+        return read_loss(self.model, mem, q, y)
+
+
+def read_packed(model, embed, head, ctx, q, y):
+    """Full-context READ: [C; Q; Y] packed per sample (pads to the end), the logits of y (B, L, V) and their
+    cross-entropy. model maps input embeddings to final states."""
+    seq, (_, _, start) = pack([ctx, q, y], [ctx != PAD, q != PAD, y != PAD])
+    logits = head(at_target(model(embed(seq[:, :-1])), start, y.size(1)))
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=PAD), logits
 
 
 class FullContext(nn.Module):
@@ -115,11 +132,13 @@ class FullContext(nn.Module):
         return c.n_layer * ctx_len * c.n_embd * 2          # the KV cache of the context
 
     def forward(self, ctx, q, y, K=None):
-        L = y.size(1)
-        x = self.model.embed(torch.cat([ctx, q, y[:, :-1]], dim=1))
-        logits = self.model.lm_head(self.model(x)[:, -L:])
-        task_loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=0)
-        return outputs(task_loss, logits)
+        return outputs(*self.read(ctx, q, y))
+
+    def memorize(self, ctx, K=None):
+        return ctx, {}                                       # nothing is written: READ sees the context itself
+
+    def read(self, ctx, q, y):
+        return read_packed(self.model, self.model.embed, self.model.lm_head, ctx, q, y)
 
 
 def dpfp(x, nu=3):
@@ -184,28 +203,36 @@ class ARMT(nn.Module):
         m, T = self.mem0.size(0), ctx.size(1)
         state = [None] * len(self.assoc)
 
-        def wrap(i, block, x, rope, attn):
-            if state[i] is not None:                            # what earlier segments wrote, read before block i
-                x = x + self.assoc[i].read(x, *state[i])
-            out = block(x, rope, attn)
-            state[i] = self.assoc[i].write(out[:, -m:], *(state[i] or ()))
-            return out
+        def wrap_at(at):
+            def wrap(i, block, x, rope, attn):
+                if state[i] is not None:                        # what earlier segments wrote, read before block i
+                    x = x + self.assoc[i].read(x, *state[i])
+                out = block(x, rope, attn)                      # the m memory tokens' outputs, from position at
+                state[i] = self.assoc[i].write(at_target(out, at + 1, m), *(state[i] or ()))
+                return out
+            return wrap
 
         mem = self.mem0.expand(ctx.size(0), -1, -1)
+        if self.segment and (ctx == PAD).any():
+            raise ValueError("ARMT --segment needs contexts of one length; this batch is padded (use --segment 0)")
         for s in range(0, T, self.segment or T):
-            self.model(torch.cat([self.model.embed(ctx[:, s:s + (self.segment or T)]), mem], dim=1), wrap=wrap)
+            seg = ctx[:, s:s + (self.segment or T)]             # [C_s; M], a padded context's pads moved to the end
+            x, (_, at) = pack([self.model.embed(seg), mem], [seg != PAD, torch.ones_like(mem[..., 0], dtype=torch.bool)])
+            self.model(x, wrap=wrap_at(at))
         return state
 
     def forward(self, ctx, q, y, K=None):
-        state, L = self.write(ctx), y.size(1)
+        return outputs(*self.read(self.write(ctx), q, y))
 
+    def memorize(self, ctx, K=None):
+        return self.write(ctx), {}
+
+    def read(self, state, q, y):
         def wrap(i, block, x, rope, attn):                      # segment 2, [Q; Y]: every layer reads its memory
             return block(x + self.assoc[i].read(x, *state[i]), rope, attn)
 
-        h = self.model(self.model.embed(torch.cat([q, y[:, :-1]], dim=1)), wrap=wrap)
-        logits = self.model.lm_head(h[:, -L:])
-        task_loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=0)
-        return outputs(task_loss, logits)
+        return read_packed(lambda x: self.model(x, wrap=wrap), self.model.embed, self.model.lm_head,
+                           q[:, :0], q, y)
 
 
 def ssd_sequential(x, dt, A, B, C):
@@ -394,16 +421,21 @@ class SequenceLM(nn.Module):
     def memory_floats(self, ctx_len):
         return sum(mix.state_floats() for mix in self.mixers)
 
-    def forward(self, ctx, q, y, K=None):
-        L = y.size(1)
-        x = self.wte(torch.cat([ctx, q, y[:, :-1]], dim=1))
+    def states(self, x):
         for i, mix in enumerate(self.mixers):
             x = x + mix(self.norms[i](x))
             if self.mlps is not None:
                 x = x + self.mlps[i](self.mlp_norms[i](x))
-        logits = self.ln_f(x)[:, -L:] @ self.wte.weight.T                                 # tied output head
-        task_loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=0)
-        return outputs(task_loss, logits)
+        return self.ln_f(x)
+
+    def forward(self, ctx, q, y, K=None):
+        return outputs(*self.read(ctx, q, y))
+
+    def memorize(self, ctx, K=None):
+        return ctx, {}                                       # the state is built while reading [C; Q; Y]
+
+    def read(self, ctx, q, y):                               # tied output head
+        return read_packed(self.states, lambda ids: self.wte(ids.clamp(min=0)), lambda h: h @ self.wte.weight.T, ctx, q, y)
 
 
 def Mamba(config):

@@ -13,6 +13,7 @@ contexts (rejected and redrawn), so train and eval are disjoint by construction 
 A split can be written to JSONL and trained from, for byte-for-byte reproducible data.
 """
 import json
+import os
 import re
 import string
 
@@ -199,3 +200,248 @@ def load_jsonl(path):
         return tuple(np.array(col) for col in zip(*rows))
     except ValueError:
         raise ValueError(f"{path}: samples differ in length (one --pairs per file)") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Natural-language tasks of Table 2 and App. I, as the same (context C, query Q, target Y) triples. Token ids come
+# from a Tokenizer (words for bAbI, a pretrained model's BPE otherwise); a batch is right-padded with TEXT_PAD, which
+# is no token id (gradmem.PAD): the models pack each sample's pieces so that a pad never precedes a real token.
+
+TEXT_PAD = -1                 # = gradmem.PAD
+TEXT_TASKS = ("babi", "squad", "lm", "compress")
+WORD_RE = re.compile(r"[a-z]+|[.?]")
+
+
+class Words:
+    """bAbI's closed vocabulary as one id per lower-case word, "." and "?"; id 0 is the end of an answer ("\\n")."""
+
+    def __init__(self, words):
+        self.vocab = ["\n"] + list(words)
+        self.ids = {w: i for i, w in enumerate(self.vocab)}
+        self.n_vocab, self.eos = len(self.vocab), 0
+
+    def encode(self, text):
+        try:
+            return [self.ids[w] for w in WORD_RE.findall(text.lower())]
+        except KeyError as e:
+            raise ValueError(f"the word {e.args[0]!r} of {text!r} is not in the bAbI vocabulary") from None
+
+    def decode(self, ids):
+        return " ".join(self.vocab[i] for i in ids if 0 < i < self.n_vocab)
+
+
+class BPE:
+    """A tiktoken Encoding (tokenizer.tokenizer_for) with "\\n" ending an answer."""
+
+    def __init__(self, enc):
+        self.enc, self.n_vocab = enc, enc.n_vocab
+        nl = enc.encode_ordinary("\n")
+        if len(nl) != 1:
+            raise ValueError(f"tokenizer {enc.name}: '\\n' is {len(nl)} tokens, not one; it ends answers")
+        self.eos = nl[0]
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.enc.decode([i for i in ids if 0 <= i < self.n_vocab])
+
+
+def pad_rows(rows, device="cpu"):
+    """Lists of ids -> (B, max len) LongTensor right-padded with TEXT_PAD."""
+    out = torch.full((len(rows), max(1, max(map(len, rows)))), TEXT_PAD, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+    return out.to(device)
+
+
+class TextTask:
+    """Samples (C, Q, Y) as token-id lists, with the gold answer strings that score them. Train batch `step` draws
+    B samples with the generator seeded by (seed, step), so a run resumes exactly. kind: "qa" (bAbI, SQuAD: scored by
+    greedy decoding from memory, exact match and F1 against every gold answer), "lm" (WikiText: cross-entropy of Y)
+    or "compress" (App. I: token accuracy of Y = C read back from memory)."""
+
+    n_pairs = 1                                         # train.py's curriculum and --queries do not apply
+
+    def __init__(self, kind, tok, train, eval, seed=0, name=""):
+        self.kind, self.tok, self.train, self.eval, self.seed, self.name = kind, tok, train, eval, seed, name
+        self.vocab_size = tok.n_vocab
+        for split, rows in (("train", train), ("eval", eval)):
+            if not rows:
+                raise ValueError(f"{name}: no {split} samples")
+
+    def batch(self, rows, device):
+        y = pad_rows([r[2] for r in rows], device)
+        mask = y != TEXT_PAD
+        if self.kind == "qa":
+            mask &= y != self.tok.eos                     # the end token is trained on, not scored
+        return dict(ctx=pad_rows([r[0] for r in rows], device), q=pad_rows([r[1] for r in rows], device), y=y, y_mask=mask)
+
+    def train_batch(self, step, B, device="cpu", queries=1):
+        idx = np.random.default_rng([self.seed, step]).integers(0, len(self.train), size=B)
+        return self.batch([self.train[i] for i in idx], device)
+
+    def eval_batches(self, B, device="cpu"):
+        for i in range(0, len(self.eval), B):
+            b = self.batch(self.eval[i:i + B], device)
+            b["index"] = list(range(i, min(i + B, len(self.eval))))
+            yield b
+
+    def max_answer(self):
+        return max(len(r[2]) for r in self.eval) + 2      # greedy decoding's budget: the longest gold target and 2
+
+    def score_answers(self, pred_ids, index):
+        """Greedy answers (B, L) for eval samples `index` -> (exact matches, F1 sum) against every gold answer."""
+        em = f1 = 0.0
+        for ids, i in zip(pred_ids.tolist(), index):
+            ids = ids[:ids.index(self.tok.eos)] if self.tok.eos in ids else ids
+            pred, golds = self.tok.decode(ids), self.eval[i][3]
+            em += max(float(normalize_answer(pred) == normalize_answer(g)) for g in golds)
+            f1 += max(token_f1(pred, g) for g in golds)
+        return em, f1
+
+
+def normalize_answer(s):
+    """SQuAD v1.1's normalisation: lower case, punctuation and the articles a/an/the removed, whitespace collapsed."""
+    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
+
+
+def token_f1(pred, gold):
+    """SQuAD v1.1's F1 of the normalised answers' word bags."""
+    p, g = normalize_answer(pred).split(), normalize_answer(gold).split()
+    common = sum(min(p.count(w), g.count(w)) for w in set(p) & set(g))
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(p), common / len(g)
+    return 2 * precision * recall / (precision + recall)
+
+
+def qa_rows(tok, triples, space=""):
+    """(context, question, [answers]) strings -> (C, Q, Y, golds) with Y = the first answer's tokens and the end token."""
+    return [(tok.encode(c), tok.encode(space + q), tok.encode(space + golds[0]) + [tok.eos], golds)
+            for c, q, golds in triples]
+
+
+BABI_STORIES = {"1k": (200, 200), "10k": (2000, 200)}    # (train, test) stories of the released sets; qa4: x5
+
+
+def babi_task(qa, size="1k", data_dir="", tok=None, seed=0, eval_seed=12345):
+    """bAbI QA`qa`: the released files under data_dir (en/ or en-10k/), or without data_dir the generator of
+    babi.py (BABI_SPEC.md) with as many stories as the released set: train from `seed`, test from `eval_seed`.
+    C = the story's statements before the question, Q = the question, Y = the one-word answer."""
+    import babi
+    if qa not in babi.TASKS:
+        raise ValueError(f"--qa must be one of 1..5 (bAbI QA1-QA5), got {qa}")
+    if size not in BABI_STORIES:
+        raise ValueError(f"--babi_size must be 1k or 10k, got {size!r}")
+    if data_dir:
+        train, test = (babi.parse_file(babi.find_file(data_dir, qa, split, size)) for split in ("train", "test"))
+    else:
+        n_train, n_test = (n * (5 if qa == 4 else 1) for n in BABI_STORIES[size])
+        if seed == eval_seed:
+            raise ValueError(f"--seed and --eval_seed are both {seed}: the generated test stories would be the training stories")
+        train, test = babi.generate(qa, n_train, seed), babi.generate(qa, n_test, eval_seed)
+    tok = tok or Words(babi.words())
+    space = "" if isinstance(tok, Words) else " "
+    rows = [qa_rows(tok, [(c, q, [a]) for c, q, a in babi.samples(s)], space) for s in (train, test)]
+    return TextTask("qa", tok, *rows, seed=seed, name=f"bAbI qa{qa} ({size})")
+
+
+SENTENCE_RE = re.compile(r"[^.!?]+(?:[.!?]+[\"')\]]*|$)\s*")
+
+
+def answer_sentences(context, start, text):
+    """Short SQuAD: the sentence(s) of `context` that hold the answer span [start, start + len(text))."""
+    spans = [(m.start(), m.end()) for m in SENTENCE_RE.finditer(context)]
+    end = start + len(text)
+    inside = [context[a:b] for a, b in spans if a < end and b > start]
+    return "".join(inside).strip()
+
+
+def squad_triples(path):
+    """SQuAD v1.1 JSON -> (short context, question, [gold answers]); an answer whose offset does not point at its
+    text in the paragraph is an error naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            articles = json.load(f)["data"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{path}: not a SQuAD v1.1 JSON file ({e.__class__.__name__}: {e})") from None
+    out = []
+    for art in articles:
+        for para in art["paragraphs"]:
+            context = para["context"]
+            for qa in para["qas"]:
+                answers = qa["answers"]
+                if not answers:
+                    raise ValueError(f"{path}: question {qa.get('id')} has no answer (SQuAD v2 data? this reads v1.1)")
+                for a in answers:
+                    if context[a["answer_start"]:a["answer_start"] + len(a["text"])] != a["text"]:
+                        raise ValueError(f"{path}: question {qa.get('id')}: answer {a['text']!r} is not at offset "
+                                         f"{a['answer_start']} of its paragraph")
+                first = answers[0]
+                out.append((answer_sentences(context, first["answer_start"], first["text"]), qa["question"],
+                            [a["text"] for a in answers]))
+    return out
+
+
+SQUAD_FILES = ("train-v1.1.json", "dev-v1.1.json")
+
+
+def squad_task(data_dir, tok, seed=0, max_ctx=0):
+    """Short SQuAD from data_dir/train-v1.1.json and dev-v1.1.json (scored on dev). max_ctx > 0 drops samples whose
+    short context is longer than max_ctx tokens; how many is printed."""
+    rows = []
+    for name in SQUAD_FILES:
+        path = os.path.join(data_dir, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} not found: put SQuAD v1.1's {' and '.join(SQUAD_FILES)} in --data_dir "
+                             "(https://rajpurkar.github.io/SQuAD-explorer/)")
+        split = qa_rows(tok, squad_triples(path), space=" ")
+        kept = [r for r in split if not max_ctx or len(r[0]) <= max_ctx]
+        if len(kept) < len(split):
+            print(f"{name}: skipped {len(split) - len(kept)} of {len(split)} samples with a context over --max_ctx {max_ctx} tokens")
+        rows.append(kept)
+    return TextTask("qa", tok, *rows, seed=seed, name="short SQuAD")
+
+
+WIKITEXT_FILES = {"train": "wiki.train.raw", "eval": "wiki.valid.raw"}
+
+
+def text_chunks(path, tok, length, limit=0):
+    """Contiguous `length`-token chunks of a text file's tokens (at most `limit`, 0: all); the cut-off tail is
+    dropped and counted."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} not found: --data_dir needs WikiText-103 raw's {' and '.join(WIKITEXT_FILES.values())}")
+    ids = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            ids.extend(tok.encode(line))
+            if limit and len(ids) >= limit * length:
+                break
+    n = len(ids) // length
+    if limit:
+        n = min(n, limit)
+    if n == 0:
+        raise ValueError(f"{path}: {len(ids)} tokens, fewer than one {length}-token chunk")
+    return [ids[i * length:(i + 1) * length] for i in range(n)]
+
+
+def lm_task(data_dir, tok, seed=0, half=128, limit=0, n_eval=1000):
+    """WikiText-103 LM: 2 x half-token chunks, C = the first half, Y = the second, no query (Q empty); scored by the
+    mean cross-entropy of Y."""
+    rows = {}
+    for split, name in WIKITEXT_FILES.items():
+        chunks = text_chunks(os.path.join(data_dir, name), tok, 2 * half, limit if split == "train" else n_eval)
+        rows[split] = [(c[:half], [], c[half:], None) for c in chunks]
+    return TextTask("lm", tok, rows["train"], rows["eval"], seed=seed, name="WikiText-103")
+
+
+def compress_task(data_dir, tok, n_tokens, seed=0, limit=0, n_eval=1000):
+    """Text compression (App. I): C = n_tokens of text, Q empty, Y = C again, read back from memory alone; scored by
+    teacher-forced token accuracy. Text: the WikiText files in data_dir, or any text files named there."""
+    rows = {}
+    for split, name in WIKITEXT_FILES.items():
+        chunks = text_chunks(os.path.join(data_dir, name), tok, n_tokens, limit if split == "train" else n_eval)
+        rows[split] = [(c, [], c, None) for c in chunks]
+    return TextTask("compress", tok, rows["train"], rows["eval"], seed=seed, name=f"compression of {n_tokens} tokens")

@@ -46,7 +46,7 @@ from baselines import FullContext
 from data import KEY, N_KEYS, SEP, VALUE, KVTask, context_kinds, key_overlap, queried_pair, sample_kv, to_batch
 from gradmem import GradMem, GradMemConfig, read_loss, score, token_hits, write, write_loss
 from model import GPTConfig, apply_rope, rope_tables
-from train import RunError, TrainConfig, build, load_checkpoint, one_line, set_pairs
+from train import RunError, TrainConfig, build, evaluate, load_checkpoint, make_task, one_line, score_text, set_pairs
 
 
 def check_ckpt_path(path):
@@ -518,6 +518,33 @@ def build_parser():
     return p
 
 
+def evaluate_text_ckpt(args, gm, cfg, K_list, device, out):
+    """A text task's checkpoint (bAbI, SQuAD, LM, compression): its task rebuilt from the stored config (the
+    generated bAbI test stories of --eval_seed; --n_eval chunks of LM and compression), its metrics and L_write(M_0)
+    at each K (train.evaluate_text)."""
+    tc = dict(cfg["train"])
+    if args.pairs is not None or args.eval_file:
+        raise RunError(f"--pairs and --eval_file are KV flags; {args.ckpt} is a --task {tc['task']} checkpoint")
+    tc.update(eval_seed=tc["eval_seed"] if args.eval_seed is None else args.eval_seed, n_eval=args.n_eval or tc["n_eval"],
+              resume=False)
+    try:
+        task = make_task(TrainConfig(**tc), None)
+    except (ValueError, OSError) as e:
+        raise RunError(str(e)) from None
+    results = [dict(K_eval=K, **evaluate(gm, task, K, device)) for K in sorted(set(K_list))]
+    print(f"{args.ckpt} (step {cfg['step']}): {task.name}, {len(task.eval)} held-out samples, trained with "
+          f"K={cfg['gradmem']['K']}" + (", the averaged weights (train.py --ema)" if cfg["weights"] == "ema" else ""))
+    for r in results:
+        print(f"K_eval={r['K_eval']}: {score_text(r)}" + (f" | L_write(M_0) {r['write_loss0']:.4f} -> L_write(M_K) "
+                                                           f"{r['write_lossK']:.4f}" if "write_lossK" in r else ""))
+    with open(out + ".tmp", "w") as f:
+        json.dump(dict(ckpt=args.ckpt, weights=cfg["weights"], step=cfg["step"], task=task.name, n_eval=len(task.eval),
+                       eval_seed=tc["eval_seed"], K_train=cfg["gradmem"]["K"], results=results), f, indent=1)
+    os.replace(out + ".tmp", out)
+    print(f"wrote {out}")
+    return results
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     name = "cost.json" if args.cost else "eval.json"
@@ -555,6 +582,8 @@ def main(argv=None):
             if not isinstance(gm, GradMem):
                 raise RunError(f"--alpha needs a GradMem checkpoint; {args.ckpt} is a {tc.get('model', 'gradmem')} one")
             gm.cfg.alpha = args.alpha
+        if tc.get("task", "kv") != "kv":
+            return evaluate_text_ckpt(args, gm, cfg, K_list, device, out)
         pairs = args.pairs or cfg["pairs"]            # a curriculum stage's checkpoint: its own number of pairs
         if not args.pairs and cfg["pairs"] != tc["pairs"]:
             print(f"note: {args.ckpt} is from the curriculum's {cfg['pairs']}-pair stage of a --pairs {tc['pairs']} "

@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-PAD, BOS = 0, 1  # data.py's ids; gradmem.py imports no project file but model.py
+PAD = -1  # padding: never a token id (model.embed maps it to row 0); losses ignore it, pack() moves it to the end
+BOS = 1   # data.py's [BOS], the first input of --memory kv; gradmem.py imports no project file but model.py
 
 
 @dataclass
@@ -79,12 +80,21 @@ class GradMem(nn.Module):
         """Train/eval pass: WRITE ctx into memory, READ y from [M_K; q]. Returns the outer loss and parts.
         q (B, n, 5) and y (B, n, 4) ask each context n keys; the task loss is then their mean, logits (B n, L, V)."""
         K = self.cfg.K if K is None else K
-        mem, info = write(self, ctx, K)
-        task_loss, logits = read_loss(self.model, mem, q, y)
+        mem, info = self.memorize(ctx, K)
+        task_loss, logits = self.read(mem, q, y)
         loss = task_loss
         if self.training and K > 0 and self.cfg.aux_write > 0:
             loss = loss + self.cfg.aux_write * info["losses"][-1] / ctx.size(0)  # aux: L_write(M_{K-1}), batch mean
         return dict(loss=loss, task_loss=task_loss, logits=logits, mem=mem, **info)
+
+
+    def memorize(self, ctx, K):
+        """WRITE, Eq. (5): the state READ answers from, M_K, and write()'s info."""
+        return write(self, ctx, K)
+
+    def read(self, mem, q, y):
+        """READ, Eq. (8), from M_K: (task loss, logits (B, L, V))."""
+        return read_loss(self.model, mem, q, y)
 
 
 def write_loss(model, head, mem, ctx, attn="sdpa"):
@@ -155,21 +165,59 @@ def write_grad(gm, mem, ctx):
     return g, loss, nll
 
 
+def pack(pieces, keeps):
+    """Concatenate right-padded pieces (B, L_i) or (B, L_i, C) per sample with their pads moved to the end, so a causal
+    model never sees a pad before a real token: [a_b; b_b; ...; pads]. keeps: (B, L_i) bools, True at real tokens.
+    Returns the packed (B, sum L_i[, C]) and the (B,) position where each piece starts in it."""
+    x, keep = torch.cat(pieces, 1), torch.cat(keeps, 1)
+    order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices      # real tokens first, in order
+    lengths = torch.stack([k.sum(1) for k in keeps], 1)
+    starts = (lengths.cumsum(1) - lengths).unbind(1)
+    return x.gather(1, order if x.dim() == 2 else order[..., None].expand_as(x)), starts
+
+
+def at_target(h, start, L):
+    """h (B, T, C): the states that predict y_1..y_L when y starts at position start (B,) of h's input: the state
+    before y_j is at start + j - 1 (clamped for the pad positions of a short y)."""
+    pos = (start[:, None] - 1 + torch.arange(L, device=h.device)).clamp(0, h.size(1) - 1)
+    return h.gather(1, pos[..., None].expand(-1, -1, h.size(-1)))
+
+
 def read_loss(model, mem, q, y):
     """READ, Eq. (8): cross-entropy of the target y given [M_K; Q] (teacher forced). Returns (loss, logits (B, L, V)).
-    q (B, n, 5) and y (B, n, 4) ask each context n keys (train.py --queries), all READ from the same M_K: the loss is
-    then their mean and the logits (B n, L, V), sample-major."""
+    q and y may be right-padded with PAD (text tasks): [Q; Y] is packed per sample, so y follows its own query.
+    q (B, n, Lq) and y (B, n, L) ask each context n queries (train.py --queries), all READ from the same M_K: the
+    loss is then their mean and the logits (B n, L, V), sample-major."""
     if q.dim() == 3:
         n = q.size(1)
         return read_loss(model, mem.repeat_interleave(n, 0), q.flatten(0, 1), y.flatten(0, 1))
     L = y.size(1)
+    seq, (_, start) = pack([q, y], [q != PAD, y != PAD])                    # [Q; Y; pads] per sample
     if mem.dim() == 3:
-        x = torch.cat([mem, model.embed(q), model.embed(y[:, :-1])], dim=1)   # [M; Q; y_1..y_{L-1}]
-        h = model(x, "sdpa")
+        x = torch.cat([mem, model.embed(seq[:, :-1])], dim=1)              # [M; Q; y_1..y_{L-1}]
+        h = at_target(model(x, "sdpa"), start + mem.size(1), L)            # with no query, M's last state predicts y_1
     else:                                                                  # App. J: [Q; Y] over the KV slots
-        h = model(model.embed(torch.cat([q, y[:, :-1]], dim=1)), "sdpa", prefix=mem)
-    logits = model.lm_head(h[:, -L:])                                      # the last query token predicts y_1
+        h = at_target(model(model.embed(seq[:, :-1]), "sdpa", prefix=mem), start, L)
+    logits = model.lm_head(h)
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=PAD), logits
+
+
+@torch.no_grad()
+def greedy(gm, state, q, max_len, stop):
+    """Answer by greedy decoding from a written state (gm.memorize), one token at a time until `stop` or max_len
+    tokens: what the answer scores of text tasks are computed from (not teacher forcing). Returns (B, max_len) ids,
+    PAD after a sample's stop token."""
+    B = q.size(0)
+    out = torch.full((B, max_len), PAD, dtype=torch.long, device=q.device)
+    done = torch.zeros(B, dtype=torch.bool, device=q.device)
+    for t in range(max_len):
+        _, logits = gm.read(state, q, out[:, :t + 1])             # y_t's logits need only y_<t: out[:, t] is a dummy
+        nxt = logits[:, t].argmax(-1).masked_fill(done, PAD)
+        out[:, t] = nxt
+        done |= nxt == stop
+        if done.all():
+            break
+    return out
 
 
 @torch.no_grad()

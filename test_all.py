@@ -4,6 +4,7 @@ finite differences or an independent reference, never against the code under tes
 
     python -m pytest -q test_all.py
 """
+import base64
 import hashlib
 import json
 import math
@@ -28,7 +29,7 @@ import plot
 import train
 import gradmem
 from ema import WeightEMA
-from gradmem import GradMem, GradMemConfig, read_loss, write, write_loss
+from gradmem import GradMem, GradMemConfig, greedy, read_loss, write, write_loss
 from model import GPT, MLP, GPTConfig, apply_rope, attention, attention_eager, rope_frequencies, rope_tables
 
 torch.use_deterministic_algorithms(True)
@@ -315,7 +316,7 @@ def test_write_loss_is_eq4():
     assert torch.allclose(g_pair[0], g_one[0], atol=1e-12)
     # right padding: PAD tokens add no loss and do not count in the per-sample mean (the reference sees no PAD)
     short = b["ctx"][1:, :-4]                                                # sample 1 without its last 4 tokens
-    padded = torch.cat([b["ctx"][:1], torch.cat([short, torch.full_like(short[:, :4], data.PAD)], 1)])
+    padded = torch.cat([b["ctx"][:1], torch.cat([short, torch.full_like(short[:, :4], gradmem.PAD)], 1)])
     loss, nll = write_loss(gm.model, gm.write_head, mem.detach(), padded)
     want = reference_write_loss(gm.model, gm.write_head, mem[:1].detach(), b["ctx"][:1]) + \
         reference_write_loss(gm.model, gm.write_head, mem[1:].detach(), short)
@@ -2449,3 +2450,145 @@ def test_bad_input_more_cases_fail_in_one_line(tmp_path):
         eval_script.main([best, "--out", str(tmp_path / "e.json")])
     eval_script.main([best, "--out", str(tmp_path / "e.json"), "--n_eval=8", "--overwrite"])
     assert (sha(ck), sha(best)) == before
+
+
+# ---- natural-language tasks (data.py TextTask; train.py --task babi/squad/lm/compress) ----
+
+TEXT_TINY = dict(n_layer=2, n_head=2, n_embd=16, n_hidden=32, vocab_size=23)
+
+
+def text_models():
+    """Every model of the text tasks on a 23-id vocabulary, float64."""
+    torch.manual_seed(0)
+    g = lambda: GPT(GPTConfig(**TEXT_TINY))
+    return dict(gradmem=GradMem(g(), GradMemConfig(n_mem=3, K=2, alpha=0.7)), rmt=baselines.RMT(g(), 3, 2),
+                armt=baselines.ARMT(g(), 3), transformer=baselines.FullContext(g()),
+                mamba=baselines.Mamba(GPTConfig(**TEXT_TINY)))
+
+
+@pytest.mark.parametrize("kind", ["gradmem", "rmt", "armt", "transformer", "mamba"])
+def test_padded_batch_equals_each_sample_alone(kind):
+    """Right-padded contexts, queries and targets of different lengths (text tasks): every sample's READ logits and
+    its written memory are those of the sample run alone, unpadded; the batch loss is the token mean of the parts."""
+    gm = text_models()[kind].double().eval()
+    P = gradmem.PAD
+    rows = [([5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]), ([16, 17, 18], [19, 20, 21, 22], [4]), ([3, 4], [], [5, 6])]
+    b = {k: data.pad_rows([r[i] for r in rows]) for i, k in enumerate(("ctx", "q", "y"))}
+    assert (b["ctx"][2, 2:] == P).all() and (b["q"][2] == P).all()
+    state, _ = gm.memorize(b["ctx"], 2)
+    loss, logits = gm.read(state, b["q"], b["y"])
+    total, count = 0.0, 0
+    for i, (c, q, y) in enumerate(rows):
+        one = [torch.tensor([t]) if t else torch.full((1, 1), P) for t in (c, q, y)]
+        s1, _ = gm.memorize(one[0], 2)
+        l1, lg1 = gm.read(s1, one[1], one[2])
+        assert torch.allclose(logits[i, :len(y)], lg1[0], atol=1e-10), (kind, i)
+        if kind in ("gradmem", "rmt"):
+            assert torch.allclose(state[i], s1[0], atol=1e-10)
+        total, count = total + l1 * len(y), count + len(y)
+    assert torch.allclose(loss, total / count, atol=1e-10)
+
+
+def test_greedy_decoding_from_memory_equals_a_plain_loop():
+    """gradmem.greedy: per sample, argmax over the logits of [M_K; Q; y_<t] built one token at a time with no
+    padding, stopping at the stop token (PAD after it)."""
+    gm = text_models()["gradmem"].double().eval()
+    rows = [([5, 6, 7, 8], [11, 12, 9]), ([16, 17], [19])]
+    ctx, q = data.pad_rows([r[0] for r in rows]), data.pad_rows([r[1] for r in rows])
+    mem, _ = gm.memorize(ctx, 2)
+    stop = 4
+    out = greedy(gm, mem, q, 6, stop)
+    for i, (c, qq) in enumerate(rows):
+        m1, _ = gm.memorize(torch.tensor([c]), 2)
+        ys = []
+        for t in range(6):
+            x = torch.cat([m1, gm.model.embed(torch.tensor([qq + ys]))], 1)
+            nxt = int(gm.model.lm_head(gm.model(x))[0, -1].argmax())
+            ys.append(nxt)
+            if nxt == stop:
+                break
+        assert out[i, :len(ys)].tolist() == ys and (out[i, len(ys):] == gradmem.PAD).all()
+
+
+def test_squad_normalisation_and_f1():
+    n, f1 = data.normalize_answer, data.token_f1
+    assert n("The  Cat!") == "cat" and n("an Apple, a pear") == "apple pear" and n("Theatre") == "theatre"
+    assert f1("the cat sat", "a cat") == pytest.approx(2 * (1 / 2) * 1 / (1 / 2 + 1))
+    assert f1("Paris", "paris.") == 1.0 and f1("London", "Paris") == 0.0
+
+
+def squad_file(path, ctx, qas):
+    with open(path, "w") as f:
+        json.dump(dict(version="1.1", data=[dict(title="t", paragraphs=[dict(context=ctx, qas=qas)])]), f)
+
+
+def test_short_squad_keeps_the_answer_sentences_and_checks_offsets(tmp_path):
+    ctx = "The cat sat on the mat. It rained in Paris all day! Bob ate 3.5 apples."
+    assert data.answer_sentences(ctx, ctx.index("Paris"), "Paris") == "It rained in Paris all day!"
+    two = ctx.index("mat")
+    assert data.answer_sentences(ctx, two, ctx[two:ctx.index("It r") + 9]) == "The cat sat on the mat. It rained in Paris all day!"
+    qas = [dict(id="a", question="Where?", answers=[dict(text="Paris", answer_start=ctx.index("Paris")),
+                                                    dict(text="in Paris", answer_start=ctx.index("in Paris"))])]
+    squad_file(tmp_path / "s.json", ctx, qas)
+    assert data.squad_triples(tmp_path / "s.json") == [("It rained in Paris all day!", "Where?", ["Paris", "in Paris"])]
+    qas[0]["answers"][0]["answer_start"] += 1
+    squad_file(tmp_path / "bad.json", ctx, qas)
+    with pytest.raises(ValueError, match="question a: answer 'Paris' is not at offset"):
+        data.squad_triples(tmp_path / "bad.json")
+
+
+def byte_tokenizer(path):
+    """A .tiktoken file of the 256 single bytes (no merges): tokenizer_for gives a 257-id byte-level encoding."""
+    with open(path, "w") as f:
+        f.writelines(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256))
+    return str(path)
+
+
+def test_wikitext_chunks(tmp_path):
+    from tokenizer import tokenizer_for
+    tok = data.BPE(tokenizer_for(byte_tokenizer(tmp_path / "bytes.tiktoken")))
+    text = "".join(f"line {i} of the text\n" for i in range(40))
+    (tmp_path / "wiki.train.raw").write_text(text)
+    chunks = data.text_chunks(tmp_path / "wiki.train.raw", tok, 16)
+    assert len(chunks) == len(text.encode()) // 16 and all(len(c) == 16 for c in chunks)
+    assert bytes(sum(chunks, [])) == text.encode()[:16 * len(chunks)]         # contiguous, in order
+    assert len(data.text_chunks(tmp_path / "wiki.train.raw", tok, 16, limit=3)) == 3
+    (tmp_path / "wiki.valid.raw").write_text(text[:40])
+    task = data.lm_task(tmp_path, tok, half=8)
+    c, q, y, _ = task.train[1]
+    assert c == chunks[1][:8] and y == chunks[1][8:] and q == [] and len(task.eval) == 2
+    (tmp_path / "short").write_text("tiny")
+    with pytest.raises(ValueError, match="fewer than one 16-token chunk"):
+        data.text_chunks(tmp_path / "short", tok, 16)
+
+
+@pytest.mark.parametrize("task", ["squad", "lm", "compress"])
+def test_text_task_train_then_eval(tmp_path, task):
+    """train.main then eval.main on tiny data written here, for each BPE text task."""
+    tok = byte_tokenizer(tmp_path / "bytes.tiktoken")
+    ctx = "The cat sat on the mat. It rained in Paris all day."
+    squad_file(tmp_path / "train-v1.1.json", ctx, [dict(id="a", question="Where?", answers=[dict(text="Paris", answer_start=ctx.index("Paris"))])])
+    squad_file(tmp_path / "dev-v1.1.json", ctx, [dict(id="b", question="Who sat?", answers=[dict(text="The cat", answer_start=0)])])
+    (tmp_path / "wiki.train.raw").write_text(ctx * 20)
+    (tmp_path / "wiki.valid.raw").write_text(ctx * 4)
+    out = tmp_path / "run"
+    flags = ["--task", task, "--data_dir", str(tmp_path), "--tokenizer", tok, "--n_layer", "1", "--n_embd", "16",
+             "--n_head", "2", "--n_hidden", "32", "--n_mem", "2", "--max_steps", "2", "--eval_interval", "2",
+             "--batch_size", "2", "--n_eval", "2", "--compress_len", "8", "--lm_len", "16", "--out_dir", str(out)]
+    last = train.main(flags)
+    assert {"em", "acc", "ce", "write_loss0", "write_lossK"} <= last.keys()
+    assert ("f1" in last) == (task == "squad")
+    res = eval_script.main([str(out / "best.pt"), "--K_eval", "0", "2", "--out", str(tmp_path / "e.json")])
+    assert [r["K_eval"] for r in res] == [0, 2] and json.load(open(tmp_path / "e.json"))["task"]
+
+
+def test_text_task_refusals(tmp_path, capsys):
+    def err(*flags):
+        with pytest.raises(SystemExit) as e:
+            train.main(list(flags) + ["--out_dir", str(tmp_path / "x")])
+        return str(e.value.code)
+    assert "--qa must be one of 1..5" in err("--task", "babi", "--qa", "6")
+    assert "reads its text from --data_dir" in err("--task", "squad", "--tokenizer", byte_tokenizer(tmp_path / "b.tiktoken"))
+    assert "train-v1.1.json not found" in err("--task", "squad", "--data_dir", str(tmp_path), "--tokenizer", str(tmp_path / "b.tiktoken"))
+    assert "App. H baseline of the KV task only" in err("--task", "lm", "--model", "lact")
+    assert not os.path.exists(tmp_path / "x" / "ckpt.pt")

