@@ -5,6 +5,7 @@ finite differences or an independent reference, never against the code under tes
     python -m pytest -q test_all.py
 """
 import base64
+import functools
 import hashlib
 import json
 import math
@@ -22,6 +23,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F
 
 import attention_hvp
+import babi
 import baselines
 import data
 import eval as eval_script
@@ -1011,7 +1013,6 @@ def test_pretrained_hub_name_offline_or_without_huggingface_hub_says_where_to_pu
 
 # ---------------------------------------------------------------- tokenizers (tokenizer.py) and GGUF files (from_gguf)
 
-import base64  # noqa: E402
 import importlib.util  # noqa: E402
 
 import tokenizer as tokenizer_mod  # noqa: E402
@@ -2562,9 +2563,9 @@ def test_wikitext_chunks(tmp_path):
         data.text_chunks(tmp_path / "short", tok, 16)
 
 
-@pytest.mark.parametrize("task", ["squad", "lm", "compress"])
+@pytest.mark.parametrize("task", ["babi", "squad", "lm", "compress"])
 def test_text_task_train_then_eval(tmp_path, task):
-    """train.main then eval.main on tiny data written here, for each BPE text task."""
+    """train.main then eval.main on tiny data written here (bAbI: generated stories, word tokens), for each text task."""
     tok = byte_tokenizer(tmp_path / "bytes.tiktoken")
     ctx = "The cat sat on the mat. It rained in Paris all day."
     squad_file(tmp_path / "train-v1.1.json", ctx, [dict(id="a", question="Where?", answers=[dict(text="Paris", answer_start=ctx.index("Paris"))])])
@@ -2572,12 +2573,13 @@ def test_text_task_train_then_eval(tmp_path, task):
     (tmp_path / "wiki.train.raw").write_text(ctx * 20)
     (tmp_path / "wiki.valid.raw").write_text(ctx * 4)
     out = tmp_path / "run"
-    flags = ["--task", task, "--data_dir", str(tmp_path), "--tokenizer", tok, "--n_layer", "1", "--n_embd", "16",
+    data_flags = ["--qa", "4"] if task == "babi" else ["--data_dir", str(tmp_path), "--tokenizer", tok]
+    flags = ["--task", task, *data_flags, "--n_layer", "1", "--n_embd", "16",
              "--n_head", "2", "--n_hidden", "32", "--n_mem", "2", "--max_steps", "2", "--eval_interval", "2",
              "--batch_size", "2", "--n_eval", "2", "--compress_len", "8", "--lm_len", "16", "--out_dir", str(out)]
     last = train.main(flags)
     assert {"em", "acc", "ce", "write_loss0", "write_lossK"} <= last.keys()
-    assert ("f1" in last) == (task == "squad")
+    assert ("f1" in last) == (task in ("babi", "squad"))
     res = eval_script.main([str(out / "best.pt"), "--K_eval", "0", "2", "--out", str(tmp_path / "e.json")])
     assert [r["K_eval"] for r in res] == [0, 2] and json.load(open(tmp_path / "e.json"))["task"]
 
@@ -2592,3 +2594,241 @@ def test_text_task_refusals(tmp_path, capsys):
     assert "train-v1.1.json not found" in err("--task", "squad", "--data_dir", str(tmp_path), "--tokenizer", str(tmp_path / "b.tiktoken"))
     assert "App. H baseline of the KV task only" in err("--task", "lm", "--model", "lact")
     assert not os.path.exists(tmp_path / "x" / "ckpt.pt")
+
+
+# ---- bAbI QA1-QA5 (babi.py, ../shared/BABI_SPEC.md): the released format and the generator ----
+
+BABI_RELEASED = {  # first stories of the released en/ train files (qa2: the spec's "\tgarden\t12 6"), with §1 spacing
+    1: "1 Mary moved to the bathroom.\n2 John went to the hallway.\n3 Where is Mary? \tbathroom\t1\n"
+       "4 Daniel went back to the hallway.\n5 Sandra moved to the garden.\n6 Where is Daniel? \thallway\t4\n",
+    2: "1 Mary moved to the bathroom.\n2 Sandra journeyed to the bedroom.\n3 Mary got the football there.\n"
+       "4 John went to the kitchen.\n5 Mary went back to the kitchen.\n6 Mary went back to the garden.\n"
+       "7 Where is the football? \tgarden\t3 6\n8 Sandra went back to the office.\n9 John moved to the office.\n"
+       "10 Sandra journeyed to the hallway.\n11 Daniel went back to the kitchen.\n12 Mary dropped the football.\n"
+       "13 John got the milk there.\n14 Where is the football? \tgarden\t12 6\n",
+    4: "1 The office is north of the kitchen.\n2 The garden is south of the kitchen.\n"
+       "3 What is north of the kitchen?\toffice\t1\n",
+    5: "1 Bill travelled to the office.\n2 Bill picked up the football there.\n3 Bill went to the bedroom.\n"
+       "4 Bill gave the football to Fred.\n5 What did Bill give to Fred? \tfootball\t4\n",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def babi_gen(qa, n):
+    return babi.generate(qa, n, seed=0)
+
+
+def babi_n_statements(story):
+    return sum(ln.answer is None for ln in story)
+
+
+def babi_file(tmp_path, text, name="bad.txt"):
+    (tmp_path / name).write_text(text, encoding="utf-8")
+    return str(tmp_path / name)
+
+
+# ---------------------------------------------------------------- §1 format
+
+
+@pytest.mark.parametrize("qa", [1, 2, 3, 4, 5])
+def test_babi_round_trip_is_byte_exact(tmp_path, qa):
+    stories = babi_gen(qa, 20)
+    path = str(tmp_path / f"{babi.TASKS[qa]}_train.txt")
+    babi.write_file(stories, path, qa)
+    assert babi.parse_file(path) == stories
+    text = open(path, encoding="utf-8", newline="").read()
+    assert text == "".join(babi.format_story(s, qa) for s in stories) and "\r" not in text and "\n\n" not in text
+    heads = [row.split("\t")[0] for row in text.splitlines() if "\t" in row]
+    assert all(h.endswith("?" if qa == 4 else "? ") and not h.endswith("  ") for h in heads)   # §1 <SP>
+
+
+@pytest.mark.parametrize("qa", sorted(BABI_RELEASED))
+def test_babi_released_lines_parse_format_and_replay(tmp_path, qa):
+    stories = babi.parse_file(babi_file(tmp_path, BABI_RELEASED[qa], f"qa{qa}.txt"))
+    assert len(stories) == 1 and babi.format_story(stories[0], qa) == BABI_RELEASED[qa]   # byte-exact both ways
+    assert babi.replay(stories[0], qa) == [(ln.answer, ln.support) for ln in stories[0] if ln.answer]
+    q = stories[0][-1]
+    assert {1: ("Where is Daniel?", "hallway", (4,)), 2: ("Where is the football?", "garden", (12, 6)),
+            4: ("What is north of the kitchen?", "office", (1,)),
+            5: ("What did Bill give to Fred?", "football", (4,))}[qa] == (q.text, q.answer, q.support)
+
+
+def test_babi_parse_is_lenient_on_spacing_and_support_order(tmp_path):
+    text = ("1 The office is north of the kitchen.  \n2 The garden is south of the kitchen.\n"
+            "3 What is north of the kitchen? \toffice\t1 \n"                       # qa4 with a space, trailing blanks
+            "1 Mary moved to the bathroom.\n2 John went to the hallway.\n3 Where is John?\thallway\t2 1\n")
+    a, b = babi.parse_file(babi_file(tmp_path, text, "ok.txt"))
+    assert a[0].text == "The office is north of the kitchen." and a[2] == babi.Line(3, "What is north of the kitchen?", "office", (1,))
+    assert b[2].support == (2, 1)                                                 # kept in file order
+
+
+@pytest.mark.parametrize("text,line", [
+    ("Mary moved to the bathroom.\n", 1),                                          # no id
+    ("1 Mary moved to the bathroom.\n\n2 John went to the hallway.\n", 2),         # blank line
+    ("1 Mary moved to the bathroom.\n3 John went to the hallway.\n", 2),           # id skips
+    ("2 Mary moved to the bathroom.\n", 1),                                        # first id is not 1
+    ("1 Mary moved to the bathroom.\n2 Where is Mary?\n", 2),                      # question without answer
+    ("1 Mary moved to the bathroom.\n2 Where is Mary? \t\t1\n", 2),                # empty answer
+    ("1 Mary moved to the bathroom.\n2 Where is Mary? \tbathroom\n", 2),           # no support field
+    ("1 Mary moved to the bathroom.\n2 Where is Mary? \tbathroom\tone\n", 2),      # non-integer support
+    ("1 Mary moved to the bathroom.\n2 Where is Mary? \tbathroom\t2\n", 2),        # support is not earlier
+    ("1 Mary moved to the bathroom.\n2 Where is Mary? \tbathroom\t1\n3 John went to the hallway.\n"
+     "4 Where is Mary? \tbathroom\t2\n", 4),                                       # support is a question
+    ("1 Mary moved to the bathroom.\n2 John went to the hallway.\n3 Sandra moved to the office.\n"
+     "1 Daniel went to the garden.\n2 Where is Sandra? \toffice\t3\n", 5),         # support from the previous story
+])
+def test_babi_malformed_lines_name_file_and_line(tmp_path, text, line):
+    with pytest.raises(ValueError, match=rf"^bad\.txt:{line}: "):
+        babi.parse_file(babi_file(tmp_path, text))
+
+
+def test_babi_empty_file(tmp_path):
+    with pytest.raises(ValueError, match=r"^empty\.txt: empty file"):
+        babi.parse_file(babi_file(tmp_path, "", "empty.txt"))
+
+
+def test_babi_find_file(tmp_path):
+    for folder in ("en", "en-10k"):
+        os.makedirs(tmp_path / folder)
+        for split in ("train", "test"):
+            babi_file(tmp_path / folder, "", f"{babi.TASKS[2]}_{split}.txt")
+    assert babi.find_file(str(tmp_path), 2, "train") == str(tmp_path / "en" / "qa2_two-supporting-facts_train.txt")
+    assert babi.find_file(str(tmp_path), 2, "test", "10k") == str(tmp_path / "en-10k" / "qa2_two-supporting-facts_test.txt")
+    assert babi.find_file(str(tmp_path / "en"), 2, "test") == str(tmp_path / "en" / "qa2_two-supporting-facts_test.txt")
+    assert babi.find_file(str(tmp_path / "en-10k"), 2, "train", "10k").endswith("en-10k/qa2_two-supporting-facts_train.txt")
+    with pytest.raises(FileNotFoundError) as e:                 # the en/ folder is not a 10k folder
+        babi.find_file(str(tmp_path / "en"), 2, "train", "10k")
+    with pytest.raises(FileNotFoundError) as e:
+        babi.find_file(str(tmp_path), 1, "test")
+    assert str(tmp_path / "en" / "qa1_single-supporting-fact_test.txt") in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- samples, vocabulary, determinism
+
+
+def test_babi_samples_context_is_statements_before_the_question():
+    story = [babi.Line(1, "Mary moved to the bathroom."), babi.Line(2, "John went to the hallway."),
+             babi.Line(3, "Where is Mary?", "bathroom", (1,)), babi.Line(4, "Daniel went back to the hallway."),
+             babi.Line(5, "Where is Daniel?", "hallway", (4,))]
+    assert babi.samples([story, story[:3]]) == [
+        ("Mary moved to the bathroom. John went to the hallway.", "Where is Mary?", "bathroom"),
+        ("Mary moved to the bathroom. John went to the hallway. Daniel went back to the hallway.", "Where is Daniel?", "hallway"),
+        ("Mary moved to the bathroom. John went to the hallway.", "Where is Mary?", "bathroom")]
+
+
+def test_babi_words_is_the_closed_vocabulary_of_all_five_tasks():
+    used = set()
+    for qa in range(1, 6):
+        for c, q, a in babi.samples(babi_gen(qa, 300 if qa != 3 else 100)):
+            used |= set(babi.tokens(f"{c} {q} {a}"))
+    used |= {t for text in BABI_RELEASED.values() for t in babi.tokens(text.replace("\t", " "))}
+    assert used == set(babi.words())            # every token is in words(), and every word is used
+    assert babi.words() == sorted(babi.words()) and len(babi.words()) == 53
+    assert {"mary", "fred", "milk", "office", "west", "there", "picked", "back", ".", "?"} <= set(babi.words())
+
+
+def test_babi_generate_is_deterministic_per_seed():
+    for qa in range(1, 6):
+        a, b, c = babi.generate(qa, 6, 0), babi.generate(qa, 6, 0), babi.generate(qa, 6, 1)
+        assert a == b and a != c and babi.generate(qa, 3, 0) == a[:3]    # a prefix for fewer stories
+
+
+# ---------------------------------------------------------------- §4 replay and §6 windows
+
+
+@pytest.mark.parametrize("qa", [1, 2, 3, 4, 5])
+def test_babi_replay_reproduces_every_answer_and_support(qa):
+    stories = babi_gen(qa, 1000 if qa != 3 else 300)
+    for story in stories:
+        qs = [ln for ln in story if ln.answer is not None]
+        assert babi.replay(story, qa) == [(ln.answer, ln.support) for ln in qs]
+        if qa in (1, 2, 5):                     # newest support line within the last 5 statements
+            for q in qs:
+                before = [ln.id for ln in story[:q.id - 1] if ln.answer is None]
+                assert max(q.support) >= before[-5:][0]
+
+
+# ---------------------------------------------------------------- generator statistics (§2, §3, §5, §6)
+
+
+def babi_near(x, target, tol):
+    return abs(x - target) <= tol
+
+
+def test_babi_qa1_statistics():
+    st = babi.stats(babi_gen(1, 1000), 1)
+    assert all(babi_n_statements(s) == 10 and len(s) == 15 for s in babi_gen(1, 1000))          # §2 exactly 10 + 5
+    assert st["actions"] == {"move": 1.0} and all(.12 <= f <= .21 for f in st["answers"].values())
+    hist = [st["support_distance"][d] for d in range(5)]                              # §5: 45/29/13/9/4 %
+    assert all(babi_near(h, t, .05) for h, t in zip(hist, (.45, .29, .13, .09, .04))) and sum(hist) == 1
+    assert babi_near(st["same_actor_pair"], .254, .04)                                     # §3
+    for s in babi_gen(1, 50):                        # support = the asked actor's latest move (independent of replay)
+        for q in (ln for ln in s if ln.answer):
+            actor = q.text.removeprefix("Where is ").removesuffix("?")
+            assert q.support[0] == max(ln.id for ln in s[:q.id - 1] if ln.text.startswith(actor + " "))
+
+
+def test_babi_qa2_statistics():
+    stories = babi_gen(2, 1000)
+    st = babi.stats(stories, 2)
+    assert babi_near(st["statements_mean"], 21.85, .1 * 21.85) and st["statements_min"] >= 2       # §2: 21.7 / 22.0
+    assert all(babi_near(st["actions"][k], t, .04) for k, t in zip(("move", "get", "drop"), (.64, .20, .16)))
+    assert st["there_get"] == 1 and babi_near(st["there_drop"], .21, .04)                         # §3
+    assert babi_near(st["first_question"]["in_4_12"], .79, .05)                                  # §6
+    assert all(.12 <= f <= .22 for f in st["answers"].values())                             # §6 (see held/gaps below)
+    assert st["gaps"][2] > .5          # released 74%; these rules give ~62% (reported, not reproduced)
+    for s in stories[:100]:                     # §1 support order: [get/drop line, holder's move line]
+        for q in (ln for ln in s if ln.answer):
+            kinds = [babi.parse_statement(s[i - 1].text)[0] for i in q.support]
+            assert kinds in (["get", "move"], ["drop", "move"])
+
+
+def test_babi_qa3_statistics():
+    stories = babi_gen(3, 300)
+    st = babi.stats(stories, 3)
+    assert babi_near(st["statements_mean"], 73.8, .1 * 73.8) and st["statements_max"] <= 228   # §2: 74.0 / 73.6
+    assert all(babi_near(st["actions"][k], t, .04) for k, t in zip(("move", "get", "drop"), (.64, .19, .175)))
+    assert babi_near(st["there_get"], .19, .04) and babi_near(st["there_drop"], .22, .04)             # §3
+    assert babi_near(st["latest"], .79, .05) and st["first_question"]["min"] >= 4               # §5
+    assert babi_near(st["first_question"]["median"], 26, 8)                                     # §6 median ~26
+    assert all(len(set(ln.support)) == 3 for s in stories for ln in s if ln.answer)
+
+
+def test_babi_qa4_statistics():
+    stories = babi_gen(4, 1000)
+    st = babi.stats(stories, 4)
+    assert all(len(s) == 3 and babi_n_statements(s) == 2 and s[2].support in ((1,), (2,)) for s in stories)
+    assert babi_near(st["middle_reference"], .655, .05) and babi_near(st["middle_object"], 2 / 3, .04)  # §5
+    assert babi_near(st["templates"][0], .5, .05) and all(.12 <= f <= .21 for f in st["answers"].values())
+
+
+def test_babi_qa5_statistics():
+    st = babi.stats(babi_gen(5, 1000), 5)
+    assert babi_near(st["statements_mean"], 25.85, .1 * 25.85)                                     # §2: 25.2 / 26.5
+    assert all(babi_near(st["actions"][k], t, .04) for k, t in zip(("move", "get", "drop", "give"), (.55, .165, .11, .165)))
+    assert st["there_get"] == 1 and babi_near(st["there_drop"], .17, .04)                         # §3
+    assert all(babi_near(st["templates"][i], w / 6, .05) for i, w in enumerate((2, 1, 1, 1, 1)))  # §5
+    names, objects = ("Bill", "Fred", "Jeff", "Mary"), ("apple", "football", "milk")
+    assert all(.13 <= st["answers"][k] <= .19 for k in names)                                # §6: 14-17 %
+    assert all(.08 <= st["answers"][k] <= .16 for k in objects)                              # §6: 14 / 14 / 10 %
+    assert babi_near(st["first_question"]["median"], 10, 3)                                      # §6 median 10
+
+
+def test_babi_task_reads_released_files_and_names_a_bad_line(tmp_path):
+    """--task babi --data_dir: the released en/ file names; C = the statements before each question, Y = its answer
+    and the end token; a malformed line stops train.py naming the file and line, with nothing written."""
+    (tmp_path / "en").mkdir()
+    for split, seed in (("train", 1), ("test", 2)):
+        babi.write_file(babi.generate(1, 4, seed), tmp_path / "en" / f"{babi.TASKS[1]}_{split}.txt", 1)
+    task = data.babi_task(1, "1k", str(tmp_path))
+    assert len(task.train) == len(task.eval) == 20
+    c, q, y, golds = task.train[0]
+    context, question, answer = babi.samples(babi.generate(1, 4, 1))[0]
+    assert task.tok.decode(c) == " ".join(babi.tokens(context)) and task.tok.decode(q) == " ".join(babi.tokens(question))
+    assert y == task.tok.encode(answer) + [task.tok.eos] and golds == [answer]
+    bad = tmp_path / "en" / f"{babi.TASKS[1]}_test.txt"
+    bad.write_text(bad.read_text().replace("3 Where", "3Where", 1))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--task", "babi", "--qa", "1", "--data_dir", str(tmp_path), "--out_dir", str(tmp_path / "run")])
+    assert re.search(r"qa1_single-supporting-fact_test.txt:3: ", str(e.value.code)), e.value.code
+    assert not os.path.exists(tmp_path / "run" / "ckpt.pt")
