@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model import add_lora, lora_enabled
+
 PAD = -1  # padding: never a token id (model.embed maps it to row 0); losses ignore it, pack() moves it to the end
 BOS = 1   # data.py's [BOS], the first input of --memory kv; gradmem.py imports no project file but model.py
 
@@ -43,14 +45,17 @@ class GradMemConfig:
                         "(§2.2) or as m key/value slots in every layer (App. J)"})
     attn: str = field(default="hvp", metadata={"choices": ["hvp", "eager"],
                                                  "help": "attention for twice-differentiated passes"})
+    lora_rank: int = field(default=0, metadata={"help": "rank of low-rank adapters on every block's projections, on "
+                           "during WRITE only: READ is the base model (App. I; 0: none)"})
 
     def __post_init__(self):
         if self.K < 0 or self.K_eval < -1:
             raise ValueError(f"--K must be >= 0 and --K_eval >= 0 (or -1), got K={self.K}, K_eval={self.K_eval}")
         if not 0 < self.alpha < float("inf"):
             raise ValueError(f"--alpha (inner lr) must be finite and > 0, got {self.alpha}")
-        if self.n_mem < 1 or self.segment < 0:
-            raise ValueError(f"--n_mem must be >= 1 and --segment >= 0, got {self.n_mem}, {self.segment}")
+        if self.n_mem < 1 or self.segment < 0 or self.lora_rank < 0:
+            raise ValueError(f"--n_mem must be >= 1, --segment and --lora_rank >= 0, got {self.n_mem}, {self.segment}, "
+                             f"{self.lora_rank}")
         if not (0 <= self.aux_write < float("inf") and 0 <= self.rmt_rec < float("inf")):
             raise ValueError(f"--aux_write and --rmt_rec must be finite and >= 0, got {self.aux_write}, {self.rmt_rec}")
         for f in fields(self):                      # choices: argparse checks the flags, this the Python API
@@ -72,6 +77,8 @@ class GradMem(nn.Module):
         if cfg.write_head:
             self.write_head = nn.Linear(model.config.n_embd, model.config.vocab_size, bias=False)
             self.write_head.weight.data.copy_(model.lm_head.weight.data)
+        if cfg.lora_rank:
+            add_lora(model, cfg.lora_rank)                         # App. I: WRITE's adapters, off outside WRITE
 
     def memory_floats(self, ctx_len):
         return self.mem0.numel()                                   # m x d, whatever the context length (§2.2)
@@ -139,9 +146,11 @@ def write(gm, ctx, K, mem=None):
             if cfg.meta_grad == "none" or not train:        # cut the graph: nothing learns through this step
                 mem = mem.detach().requires_grad_()
             if second and gm.compiled_grad is not None:     # train.py --compile: the same gradient, traced and fused
-                g, loss, nll = gm.compiled_grad(mem, ctx)
+                with lora_enabled(gm.model):
+                    g, loss, nll = gm.compiled_grad(mem, ctx)
             else:
-                loss, nll = write_loss(gm.model, head, mem, ctx, cfg.attn if second else "sdpa")   # Eq. (4)
+                with lora_enabled(gm.model):                # App. I: WRITE's adapters (if any) on, READ's off
+                    loss, nll = write_loss(gm.model, head, mem, ctx, cfg.attn if second else "sdpa")   # Eq. (4)
                 g, = torch.autograd.grad(loss, mem, create_graph=second, retain_graph=second or (keep_last and k == K - 1))
             mem = mem - cfg.alpha * g                          # Eq. (5): M_{k+1} = M_k - alpha grad_M L_write
             info["losses"].append(loss if train else loss.detach())
@@ -158,7 +167,8 @@ def write_grad(gm, mem, ctx):
     head = gm.write_head if gm.write_head is not None else gm.model.lm_head
 
     def loss_fn(m):
-        loss, nll = write_loss(gm.model, head, m, ctx, "eager")
+        with lora_enabled(gm.model):
+            loss, nll = write_loss(gm.model, head, m, ctx, "eager")
         return loss, (loss, nll)
 
     g, (loss, nll) = torch.func.grad(loss_fn, has_aux=True)(mem)
@@ -248,7 +258,8 @@ def write_until(gm, ctx, threshold, K_max, alpha=None):
     for k in range(K_max + 1):
         with torch.enable_grad():
             mem = mem.detach().requires_grad_()
-            loss, nll = write_loss(gm.model, head, mem, ctx)                  # Eq. (4) at M_k, summed over samples
+            with lora_enabled(gm.model):
+                loss, nll = write_loss(gm.model, head, mem, ctx)              # Eq. (4) at M_k, summed over samples
             losses.append(nll.detach().sum(1) / n_tok)                       # per sample, per token
             move = ~(losses[-1] < threshold)                                 # NaN is not below: it does not stop
             if k == K_max or not move.any():

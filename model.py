@@ -13,7 +13,11 @@ Attention is computed three ways, chosen per call (`attn=`):
   "eager" explicit softmax(QK^T/sqrt(hs)) V: generic autograd graph, twice differentiable;
   "hvp"   attention_hvp.attention: the hand-derived double backward of Appendix C.
 GradMem asks for "eager"/"hvp" only on passes it differentiates twice (WRITE with create_graph).
+
+Low-rank adapters (App. I): `add_lora(model, r)` gives every block's attention and MLP projections a rank-r adapter,
+off by default; `with lora_enabled(model):` switches them on, for WRITE only. The base weights keep their names.
 """
+import contextlib
 import json
 import math
 import os
@@ -259,8 +263,8 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def embed(self, idx):
-        """Token ids (B, T) -> input embeddings (B, T, C)."""
-        return self.transformer.wte(idx)
+        """Token ids (B, T) -> input embeddings (B, T, C); a padding id (negative, gradmem.PAD) embeds as id 0."""
+        return self.transformer.wte(idx.clamp(min=0))
 
     def forward(self, x, attn="sdpa", wrap=None, prefix=None):
         """x: input embeddings (B, T, C) -> final hidden states (B, T, C) after ln_f.
@@ -306,6 +310,89 @@ class GPT(nn.Module):
             state = {k if k.startswith(("lm_head.", "embed_out.")) else prefix + k: t for k, t in state.items()}
         model.load_state_dict(convert_state(table, ignore, state, model))
         return model
+
+
+# ---------------------------------------------------------------- low-rank adapters active only during WRITE (App. I)
+# "During WRITE, learned LoRA adapters optimize memory vectors at test time, while the pretrained base model remains
+# frozen during READ" (App. I; Hu et al., 2022). An adapter is off unless switched on by `lora_enabled`, so READ and
+# every pass outside that context manager is the base model itself.
+
+LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")   # every block's four projection Linears
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear plus a rank-r adapter: y = x W^T + b + (x A^T B^T) * alpha / r while `lora_on`, x W^T + b otherwise.
+    Built from an existing Linear, it holds that Linear's own `weight` and `bias` Parameters (the same objects, so
+    optimizers and tied references keep working) under the same names: the state-dict keys of the base weights do not
+    change, the adapter adds `<name>.lora_A` (r, in) and `<name>.lora_B` (out, r). A is Kaiming-uniform (as in LoRA
+    and peft), B is zero, so a fresh adapter switched on changes nothing until B learns."""
+
+    def __init__(self, base, r, alpha=None):
+        nn.Module.__init__(self)                    # no new weight: the base Linear's Parameters are taken over
+        if r < 1:
+            raise ValueError(f"LoRA rank r must be >= 1, got {r}")
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        self.r, self.alpha = r, float(r if alpha is None else alpha)
+        self.scale = self.alpha / r
+        kw = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Parameter(torch.empty(r, self.in_features, **kw))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, **kw))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.lora_on = False
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora_on:
+            y = y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+        return y
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, r={self.r}, alpha={self.alpha:g}, lora_on={self.lora_on}"
+
+
+def add_lora(model, r, targets=LORA_TARGETS, alpha=None):
+    """Replace every transformer block's Linears named by `targets` (suffixes after `h.<i>.`; default LORA_TARGETS:
+    attn.c_attn (fused q, k, v), attn.c_proj, mlp.c_fc (fused gate/up or fc), mlp.c_proj) by LoRALinear of rank r,
+    off. `model`: a GPT, or any module holding one (GradMem). Returns the new adapter Parameters [A, B, A, B, ...] in
+    module order. Base weights keep their names, Parameters and requires_grad: freeze them yourself for App. I's
+    frozen base. Load a checkpoint saved with adapters after add_lora with the same r and targets."""
+    found = [(name, m) for name, m in model.named_modules()
+             if any(re.search(rf"(^|\.)h\.\d+\.{re.escape(t)}$", name) for t in targets)]
+    if not found:
+        raise ValueError(f"add_lora: no module of the model matches the targets {list(targets)}")
+    params = []
+    for name, m in found:
+        if isinstance(m, LoRALinear):
+            raise ValueError(f"add_lora: {name} already has an adapter")
+        if type(m) is not nn.Linear:
+            raise ValueError(f"add_lora: {name} is a {type(m).__name__}, not an nn.Linear")
+        parent, _, leaf = name.rpartition(".")
+        lora = LoRALinear(m, r, alpha)
+        setattr(model.get_submodule(parent), leaf, lora)
+        params += [lora.lora_A, lora.lora_B]
+    return params
+
+
+def lora_parameters(model):
+    """The adapter Parameters of `model` (add_lora's list), for an optimizer group."""
+    return [p for m in model.modules() if isinstance(m, LoRALinear) for p in (m.lora_A, m.lora_B)]
+
+
+@contextlib.contextmanager
+def lora_enabled(model, on=True):
+    """Switch every adapter of `model` on (or off) inside the block, restoring each one's previous state after it
+    (also on an exception). Wrap the WRITE loss in it; READ, outside, runs the base model. No adapters: a no-op."""
+    mods = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    before = [m.lora_on for m in mods]
+    for m in mods:
+        m.lora_on = on
+    try:
+        yield model
+    finally:
+        for m, b in zip(mods, before):
+            m.lora_on = b
 
 
 class PretrainedError(ValueError):

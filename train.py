@@ -40,7 +40,7 @@ from ddp import (RANKS, DistributedError, average_over_ranks, distributed, rank0
                  same_weights_on_every_rank, stop_signal, wait_for_rank0)
 from ema import RESET_GAP, WeightEMA
 from gradmem import GradMem, GradMemConfig, greedy, score, write_grad, write_loss
-from model import GPT, GPTConfig, PretrainedError
+from model import GPT, GPTConfig, PretrainedError, lora_enabled
 
 
 @dataclass
@@ -89,7 +89,8 @@ class TrainConfig:
     max_steps: int = field(default=20000, metadata={"help": "optimizer steps in all, over every curriculum stage"})
     eval_interval: int = field(default=250, metadata={"help": "evaluate and checkpoint every this many steps"})
     log_interval: int = field(default=50, metadata={"help": "log a training line every this many steps"})
-    n_eval: int = field(default=1000, metadata={"help": "held-out samples per evaluation"})
+    n_eval: int = field(default=1000, metadata={"help": "held-out samples per evaluation (text tasks: the first n of the "
+                        "test split, or n chunks)"})
     eval_seed: int = field(default=12345, metadata={"help": "seed of the held-out set (training data: --seed)"})
     target_em: float = field(default=1.0, metadata={"help": "stop once held-out EM reaches this"})
     patience: int = field(default=0, metadata={"help": "stop after this many evals without a better EM (0: never)"})
@@ -393,14 +394,22 @@ def make_task(tcfg, gcfg):
         except (TokenizerError, OSError) as e:
             raise RunError(f"--tokenizer {name or 'gpt2'}: {e}") from None
     if tcfg.task == "babi":
-        return babi_task(tcfg.qa, tcfg.babi_size, tcfg.data_dir, tok, tcfg.seed, tcfg.eval_seed)
+        return first_eval(babi_task(tcfg.qa, tcfg.babi_size, tcfg.data_dir, tok, tcfg.seed, tcfg.eval_seed), tcfg.n_eval)
     if not tcfg.data_dir:
         raise RunError(f"--task {tcfg.task} reads its text from --data_dir (see --help)")
     if tcfg.task == "squad":
-        return squad_task(tcfg.data_dir, tok, tcfg.seed, tcfg.max_ctx)
+        return first_eval(squad_task(tcfg.data_dir, tok, tcfg.seed, tcfg.max_ctx), tcfg.n_eval)
     if tcfg.task == "lm":
         return lm_task(tcfg.data_dir, tok, tcfg.seed, tcfg.lm_len, tcfg.max_samples, tcfg.n_eval)
     return compress_task(tcfg.data_dir, tok, tcfg.compress_len, tcfg.seed, limit=tcfg.max_samples, n_eval=tcfg.n_eval)
+
+
+def first_eval(task, n):
+    """The first n held-out samples of a QA task (--n_eval), the count printed when that is not all of them."""
+    if n < len(task.eval):
+        print(f"{task.name}: evaluating on the first {n} of {len(task.eval)} held-out samples (--n_eval)")
+        task.eval = task.eval[:n]
+    return task
 
 
 def text_lengths(task):
@@ -454,7 +463,7 @@ def evaluate_text(gm, task, K, device, batch_size=50):
         hits += ((logits.argmax(-1) == b["y"]) & mask).sum().item()
         wl += info["losses"][0].item() if info.get("losses") else 0.0
         if isinstance(gm, GradMem):
-            with torch.enable_grad():                      # write_loss under no_grad is the same number
+            with lora_enabled(gm.model):                   # WRITE's adapters (App. I), if any
                 wl_K += write_loss(gm.model, gm.write_head or gm.model.lm_head, state, b["ctx"])[0].item()
         n += b["y"].size(0)
         if task.kind == "qa":
