@@ -437,11 +437,11 @@ def lm_task(data_dir, tok, seed=0, half=128, limit=0, n_eval=1000):
     return TextTask("lm", tok, rows["train"], rows["eval"], seed=seed, name="WikiText-103")
 
 
-def compress_task(data_dir, tok, n_tokens, seed=0, limit=0, n_eval=1000):
+def compress_task(data_dir, tok, n_tokens, seed=0, limit=0, n_eval=1000, files=WIKITEXT_FILES):
     """Text compression (App. I): C = n_tokens of text, Q empty, Y = C again, read back from memory alone; scored by
-    teacher-forced token accuracy. Text: the WikiText files in data_dir, or any text files named there."""
+    teacher-forced token accuracy. Text: the files of data_dir named in `files` (WikiText's, or any text so named)."""
     rows = {}
-    for split, name in WIKITEXT_FILES.items():
+    for split, name in files.items():
         chunks = text_chunks(os.path.join(data_dir, name), tok, n_tokens, limit if split == "train" else n_eval)
         rows[split] = [(c, [], c, None) for c in chunks]
     return TextTask("compress", tok, rows["train"], rows["eval"], seed=seed, name=f"compression of {n_tokens} tokens")

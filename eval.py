@@ -528,7 +528,7 @@ def evaluate_text_ckpt(args, gm, cfg, K_list, device, out):
     tc.update(eval_seed=tc["eval_seed"] if args.eval_seed is None else args.eval_seed, n_eval=args.n_eval or tc["n_eval"],
               resume=False)
     try:
-        task = make_task(TrainConfig(**tc), None)
+        task = make_task(TrainConfig(**tc))
     except (ValueError, OSError) as e:
         raise RunError(str(e)) from None
     results = [dict(K_eval=K, **evaluate(gm, task, K, device)) for K in sorted(set(K_list))]

@@ -53,9 +53,10 @@ class GradMemConfig:
             raise ValueError(f"--K must be >= 0 and --K_eval >= 0 (or -1), got K={self.K}, K_eval={self.K_eval}")
         if not 0 < self.alpha < float("inf"):
             raise ValueError(f"--alpha (inner lr) must be finite and > 0, got {self.alpha}")
-        if self.n_mem < 1 or self.segment < 0 or self.lora_rank < 0:
-            raise ValueError(f"--n_mem must be >= 1, --segment and --lora_rank >= 0, got {self.n_mem}, {self.segment}, "
-                             f"{self.lora_rank}")
+        if self.n_mem < 1 or self.segment < 0:
+            raise ValueError(f"--n_mem must be >= 1 and --segment >= 0, got {self.n_mem}, {self.segment}")
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora_rank must be >= 0 (0: no adapters), got {self.lora_rank}")
         if not (0 <= self.aux_write < float("inf") and 0 <= self.rmt_rec < float("inf")):
             raise ValueError(f"--aux_write and --rmt_rec must be finite and >= 0, got {self.aux_write}, {self.rmt_rec}")
         for f in fields(self):                      # choices: argparse checks the flags, this the Python API

@@ -2311,14 +2311,19 @@ def test_grad_accum_equals_full_batch(tmp_path):
     assert train.auto_grad_accum(3, 10**6, 5) == 3                       # falls back to one sample per micro-batch
 
 
-def test_checkpoint_without_a_config_field_is_refused_naming_it(tmp_path):
+def test_checkpoint_without_a_config_field_matches_only_its_default(tmp_path):
+    """A checkpoint written before a config field existed ran that field's default: it starts a run that keeps the
+    default, and one that sets another value is refused naming the field."""
     out = str(tmp_path / "old")
     train.main(SMALL + ["--max_steps=2", f"--out_dir={out}"])
     ck = torch.load(os.path.join(out, "best.pt"), weights_only=True)
-    del ck["config"]["gradmem"]["memory"]
+    del ck["config"]["gradmem"]["lora_rank"]
     torch.save(ck, os.path.join(out, "old.pt"))
-    run_fails(SMALL + [f"--out_dir={tmp_path}/new", f"--init_from={out}/old.pt"], "has no memory in its config")
+    run_fails(SMALL + [f"--out_dir={tmp_path}/new", f"--init_from={out}/old.pt", "--lora_rank=2"],
+              "has no lora_rank in its config .* this run has lora_rank=2")
     assert not os.path.exists(f"{tmp_path}/new/ckpt.pt")
+    train.main(SMALL + ["--max_steps=1", f"--out_dir={tmp_path}/same", f"--init_from={out}/old.pt"])
+    assert os.path.exists(f"{tmp_path}/same/ckpt.pt")
 
 
 def run_fails(argv, match):
@@ -2476,8 +2481,10 @@ def test_padded_batch_equals_each_sample_alone(kind):
     gm = text_models()[kind].double().eval()
     P = gradmem.PAD
     rows = [([5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]), ([16, 17, 18], [19, 20, 21, 22], [4]), ([3, 4], [], [5, 6])]
+    if kind == "armt":                      # ARMT reads [Q; Y]: without Q nothing precedes y_1 (train.make_task)
+        rows[2] = ([3, 4], [7], [5, 6])
     b = {k: data.pad_rows([r[i] for r in rows]) for i, k in enumerate(("ctx", "q", "y"))}
-    assert (b["ctx"][2, 2:] == P).all() and (b["q"][2] == P).all()
+    assert (b["ctx"][2, 2:] == P).all() and (b["q"][2, 1:] == P).all()
     state, _ = gm.memorize(b["ctx"], 2)
     loss, logits = gm.read(state, b["q"], b["y"])
     total, count = 0.0, 0
@@ -3040,3 +3047,24 @@ def smollm2_against_transformers(path):
                           do_sample=False, pad_token_id=0)
     assert seq[0, ids.size(1):].tolist() == ref[0, ids.size(1):].tolist()
     assert enc.decode(seq[0, ids.size(1):ids.size(1) + 1].tolist()) == " Paris"
+
+
+def test_no_context_reference_reads_the_target_alone(tmp_path):
+    """--no-context (Table 2's LM row limited to 128 tokens): the transformer's loss on Y is that of [Y] alone (its
+    first token, with nothing before it, is not scored); refused for a memory model."""
+    tok = byte_tokenizer(tmp_path / "bytes.tiktoken")
+    (tmp_path / "wiki.train.raw").write_text("the cat sat on the mat and looked at the dog. " * 10)
+    (tmp_path / "wiki.valid.raw").write_text("a dog ran to the park and sat under a tree. " * 4)
+    flags = ["--task", "lm", "--data_dir", str(tmp_path), "--tokenizer", tok, "--lm_len", "16", "--n_eval", "2"]
+    cfg = train.parse_args(flags + ["--no-context"])["train"]
+    task, full = train.make_task(cfg), train.make_task(train.parse_args(flags)["train"])
+    assert all(r[0] == [] for r in task.train + task.eval)
+    assert [r[1] + r[2] for r in task.eval] == [r[2] for r in full.eval]      # Y's first token, unscored, as Q
+    torch.manual_seed(0)
+    fc = baselines.FullContext(GPT(GPTConfig(**dict(TEXT_TINY, vocab_size=257)))).eval()
+    b, y = next(task.eval_batches(2)), next(full.eval_batches(2))["y"]
+    alone = fc.model.lm_head(fc.model(fc.model.embed(y[:, :-1])))        # [Y] alone, y_2 .. y_L scored
+    loss = F.cross_entropy(alone.flatten(0, 1), y[:, 1:].flatten())
+    assert torch.allclose(fc(b["ctx"], b["q"], b["y"])["task_loss"], loss, atol=1e-6)
+    with pytest.raises(SystemExit, match="--no-context is the full-context transformer"):
+        train.main(flags + ["--no-context", "--out_dir", str(tmp_path / "x")])

@@ -62,6 +62,8 @@ class TrainConfig:
                              "compression: chunks read from the start of the file; 0: all)"})
     max_ctx: int = field(default=0, metadata={"help": "--task squad: skip samples whose short context has more tokens "
                          "(0: keep all; the count skipped is printed)"})
+    context: bool = field(default=True, metadata={"help": "text tasks, --model transformer: --no-context reads [Q; Y] "
+                          "without C, the lower reference (Table 2's LM row limited to 128 tokens of context)"})
     trainable: str = field(default="all", metadata={"choices": ["all", "write"], "help": "what the outer loop trains: "
                            "all parameters, or (GradMem) only M_0, the WRITE head and the WRITE adapter (--lora_rank): "
                            "the READ model stays the loaded one (App. I)"})
@@ -257,13 +259,18 @@ def load_state(module, state, path):
 
 
 def check_match(path, saved, cfgs, sections, skip=RESUMABLE):
-    """Raise naming the first config field that differs between the checkpoint and this run."""
+    """Raise naming the first config field that differs between the checkpoint and this run. A field the checkpoint
+    lacks (written before the field existed) matches only its default, which keeps the behaviour before it."""
     for sec in sections:
+        defaults = {f.name: f.default for f in fields(CONFIGS[sec])}
         for name, value in asdict(cfgs[sec]).items():
             if name in skip or name in NOT_FLAGS:
                 continue
             if name not in saved.get(sec, {}):
-                raise RunError(f"checkpoint {path} has no {name} in its config; this run has {name}={value!r}")
+                if value == defaults[name]:
+                    continue
+                raise RunError(f"checkpoint {path} has no {name} in its config (written before that field existed, "
+                               f"so it ran the default {defaults[name]!r}); this run has {name}={value!r}")
             old = saved[sec][name]
             if old != value:
                 raise RunError(f"checkpoint {path} has {name}={old!r} but this run has {name}={value!r}")
@@ -380,8 +387,19 @@ def resumed_pretrained(tcfg, cfgs):
     return True
 
 
-def make_task(tcfg, gcfg):
-    """The task of --task: KVTask, or a data.TextTask with its tokenizer."""
+def make_task(tcfg):
+    """The task of --task: KVTask, or a data.TextTask with its tokenizer (--no-context: without C). A model whose READ
+    would see nothing before Y's first token (ARMT reads [Q; Y], --no-context reads [Y], and LM and compression have no
+    Q) gets that token as its query: it scores Y's other tokens."""
+    task = read_task(tcfg)
+    if not tcfg.context:
+        task = without_context(task)
+    if tcfg.task in ("lm", "compress") and (tcfg.model == "armt" or not tcfg.context):
+        task.train, task.eval = ([(c, y[:1], y[1:], g) for c, _, y, g in rows] for rows in (task.train, task.eval))
+    return task
+
+
+def read_task(tcfg):
     if tcfg.task == "kv":
         return KVTask(tcfg.pairs, tcfg.seed, tcfg.eval_seed, tcfg.n_eval, tcfg.train_file or None, tcfg.eval_file or None)
     name = tcfg.tokenizer or (pretrained_path(tcfg.init_from) if is_pretrained(tcfg.init_from) else "")
@@ -402,6 +420,13 @@ def make_task(tcfg, gcfg):
     if tcfg.task == "lm":
         return lm_task(tcfg.data_dir, tok, tcfg.seed, tcfg.lm_len, tcfg.max_samples, tcfg.n_eval)
     return compress_task(tcfg.data_dir, tok, tcfg.compress_len, tcfg.seed, limit=tcfg.max_samples, n_eval=tcfg.n_eval)
+
+
+def without_context(task):
+    """--no-context: every sample's C emptied (the transformer then reads [Q; Y] alone)."""
+    task.train, task.eval = ([([],) + tuple(r[1:]) for r in rows] for rows in (task.train, task.eval))
+    task.name += ", no context"
+    return task
 
 
 def first_eval(task, n):
@@ -598,6 +623,10 @@ def run(cfgs, argv):
         tune_malloc()
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not tcfg.cuda_graph)  # no cast cache in a graph
                 if device == "cuda" and tcfg.dtype == "bfloat16" else nullcontext())
+    if gcfg.lora_rank and tcfg.model != "gradmem":
+        raise RunError(f"--lora_rank adds GradMem's WRITE adapters; this run trains --model {tcfg.model}")
+    if not tcfg.context and (tcfg.task == "kv" or tcfg.model != "transformer"):
+        raise RunError("--no-context is the full-context transformer on a text task read without its context")
     if tcfg.task != "kv" and tcfg.model in ("ttt_linear", "lact"):
         raise RunError(f"--model {tcfg.model} is an App. H baseline of the KV task only")
     torch.manual_seed(tcfg.seed)
@@ -606,7 +635,7 @@ def run(cfgs, argv):
         raise RunError("--task kv has its own 70-character vocabulary: a pretrained language model does not fit it")
     gpt = load_pretrained(cfgs) if is_pretrained(tcfg.init_from) and not tcfg.resume else None
     try:
-        task = make_task(tcfg, gcfg)
+        task = make_task(tcfg)
     except (ValueError, OSError) as e:
         raise RunError(str(e)) from None
     if tcfg.task == "kv":
