@@ -368,20 +368,23 @@ def squad_triples(path):
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{path}: not a SQuAD v1.1 JSON file ({e.__class__.__name__}: {e})") from None
     out = []
-    for art in articles:
-        for para in art["paragraphs"]:
-            context = para["context"]
-            for qa in para["qas"]:
-                answers = qa["answers"]
-                if not answers:
-                    raise ValueError(f"{path}: question {qa.get('id')} has no answer (SQuAD v2 data? this reads v1.1)")
-                for a in answers:
-                    if context[a["answer_start"]:a["answer_start"] + len(a["text"])] != a["text"]:
-                        raise ValueError(f"{path}: question {qa.get('id')}: answer {a['text']!r} is not at offset "
-                                         f"{a['answer_start']} of its paragraph")
-                first = answers[0]
-                out.append((answer_sentences(context, first["answer_start"], first["text"]), qa["question"],
-                            [a["text"] for a in answers]))
+    try:
+        for art in articles:
+            for para in art["paragraphs"]:
+                context = para["context"]
+                for qa in para["qas"]:
+                    answers = qa["answers"]
+                    if not answers:
+                        raise ValueError(f"{path}: question {qa.get('id')} has no answer (SQuAD v2 data? this reads v1.1)")
+                    for a in answers:
+                        if context[a["answer_start"]:a["answer_start"] + len(a["text"])] != a["text"]:
+                            raise ValueError(f"{path}: question {qa.get('id')}: answer {a['text']!r} is not at offset "
+                                             f"{a['answer_start']} of its paragraph")
+                    first = answers[0]
+                    out.append((answer_sentences(context, first["answer_start"], first["text"]), qa["question"],
+                                [a["text"] for a in answers]))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not in SQuAD v1.1's schema ({e.__class__.__name__}: {e})") from None
     return out
 
 
@@ -424,6 +427,8 @@ def text_chunks(path, tok, length, limit=0):
         n = min(n, limit)
     if n == 0:
         raise ValueError(f"{path}: {len(ids)} tokens, fewer than one {length}-token chunk")
+    if not limit and len(ids) % length:
+        print(f"{path}: {n} chunks of {length} tokens; the last {len(ids) % length} tokens, short of a chunk, are left out")
     return [ids[i * length:(i + 1) * length] for i in range(n)]
 
 

@@ -500,6 +500,7 @@ def build_parser():
                    "weights; ema: the averaged weights a ckpt.pt keeps (train.py --ema), e.g. a run's last ones")
     p.add_argument("--eval_file", default=None, help="evaluate on this JSONL split (data.py save_jsonl) instead of "
                    "a drawn set; None: draw it from --eval_seed")
+    p.add_argument("--data_dir", default=None, help="text tasks: the data folder, if not where training read it")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to evaluate; auto: "
                    "cuda when available, else cpu")
     p.add_argument("--cost", action="store_true", help="measure the compute break-even of App. D (time, FLOPs, "
@@ -526,7 +527,7 @@ def evaluate_text_ckpt(args, gm, cfg, K_list, device, out):
     if args.pairs is not None or args.eval_file:
         raise RunError(f"--pairs and --eval_file are KV flags; {args.ckpt} is a --task {tc['task']} checkpoint")
     tc.update(eval_seed=tc["eval_seed"] if args.eval_seed is None else args.eval_seed, n_eval=args.n_eval or tc["n_eval"],
-              resume=False)
+              resume=False, max_samples=1, data_dir=args.data_dir or tc.get("data_dir", ""))     # one training sample is read
     try:
         task = make_task(TrainConfig(**tc))
     except (ValueError, OSError) as e:

@@ -2602,6 +2602,11 @@ def test_text_task_refusals(tmp_path, capsys):
     assert "reads its text from --data_dir" in err("--task", "squad", "--tokenizer", byte_tokenizer(tmp_path / "b.tiktoken"))
     assert "train-v1.1.json not found" in err("--task", "squad", "--data_dir", str(tmp_path), "--tokenizer", str(tmp_path / "b.tiktoken"))
     assert "App. H baseline of the KV task only" in err("--task", "lm", "--model", "lact")
+    assert "--memory kv, --segment, --cuda_graph and --queries > 1 are for the KV task" in err("--task", "babi", "--memory", "kv")
+    (tmp_path / "train-v1.1.json").write_text(json.dumps(dict(data=[dict(paragraphs=[dict(context="a b", qas=[
+        dict(id="q", question="?", answers=[dict(text="a")])])])])))             # no answer_start
+    assert "train-v1.1.json: not in SQuAD v1.1's schema (KeyError: 'answer_start')" in \
+        err("--task", "squad", "--data_dir", str(tmp_path), "--tokenizer", str(tmp_path / "b.tiktoken"))
     assert not os.path.exists(tmp_path / "x" / "ckpt.pt")
 
 
@@ -3068,3 +3073,17 @@ def test_no_context_reference_reads_the_target_alone(tmp_path):
     assert torch.allclose(fc(b["ctx"], b["q"], b["y"])["task_loss"], loss, atol=1e-6)
     with pytest.raises(SystemExit, match="--no-context is the full-context transformer"):
         train.main(flags + ["--no-context", "--out_dir", str(tmp_path / "x")])
+
+
+def test_build_around_a_pretrained_gpt():
+    """train.build with a loaded GPT: memory models start M_0 at the scale of its token embeddings (App. B); the
+    full-context transformer, which has no memory, wraps it as it is."""
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(**TEXT_TINY))
+    with torch.no_grad():
+        gpt.transformer.wte.weight.mul_(10)                       # embeddings at std 0.2, not the 0.02 of M_0's default
+    for kind in ("gradmem", "rmt", "armt", "transformer"):
+        gm = train.build(train.parse_args([f"--model={kind}", "--task=babi", "--n_mem=64"]), gpt)
+        assert gm.model is gpt
+        if kind != "transformer":
+            assert abs(gm.mem0.std().item() - gpt.transformer.wte.weight.std().item()) < 0.03

@@ -94,7 +94,8 @@ class TrainConfig:
     n_eval: int = field(default=1000, metadata={"help": "held-out samples per evaluation (text tasks: the first n of the "
                         "test split, or n chunks)"})
     eval_seed: int = field(default=12345, metadata={"help": "seed of the held-out set (training data: --seed)"})
-    target_em: float = field(default=1.0, metadata={"help": "stop once held-out EM reaches this"})
+    target_em: float = field(default=1.0, metadata={"help": "stop once held-out EM reaches this (--task lm: minus the "
+                             "cross-entropy; compress: token accuracy)"})
     patience: int = field(default=0, metadata={"help": "stop after this many evals without a better EM (0: never)"})
     curriculum_em: float = field(default=0.75, metadata={"help": "from scratch: train at 1, 2, 4, ... pairs up to --pairs, "
                                  "moving on when held-out EM reaches this (App. B); 0: --pairs from the first step. "
@@ -319,8 +320,9 @@ def build(cfgs, gpt=None):
     mcfg, gcfg, kind = cfgs["model"], cfgs["gradmem"], cfgs["train"].model
     if gpt is not None:
         gm = build_around(gpt, gcfg, kind)
-        with torch.no_grad():
-            gm.mem0.normal_(0.0, float(gpt.transformer.wte.weight.std()))
+        if hasattr(gm, "mem0"):                         # the full-context transformer has no memory
+            with torch.no_grad():
+                gm.mem0.normal_(0.0, float(gpt.transformer.wte.weight.std()))
         return gm
     if kind in ("rmt", "armt", "transformer", "gradmem"):
         return build_around(GPT(mcfg), gcfg, kind)
@@ -627,6 +629,9 @@ def run(cfgs, argv):
         raise RunError(f"--lora_rank adds GradMem's WRITE adapters; this run trains --model {tcfg.model}")
     if not tcfg.context and (tcfg.task == "kv" or tcfg.model != "transformer"):
         raise RunError("--no-context is the full-context transformer on a text task read without its context")
+    if tcfg.task != "kv" and (gcfg.memory == "kv" or gcfg.segment or tcfg.cuda_graph or tcfg.queries > 1):
+        raise RunError("--memory kv, --segment, --cuda_graph and --queries > 1 are for the KV task; text tasks pad "
+                       "their batches to varying lengths and ask one question per context")
     if tcfg.task != "kv" and tcfg.model in ("ttt_linear", "lact"):
         raise RunError(f"--model {tcfg.model} is an App. H baseline of the KV task only")
     torch.manual_seed(tcfg.seed)
@@ -796,7 +801,7 @@ def run(cfgs, argv):
                     speed.eval_seconds = time.perf_counter() - t_eval
                     use_ema = ema is not None and last["ema_em"] > last["em"]
                     em = last["ema_em"] if use_ema else last["em"]       # the better of the two decides from here on
-                    if ema is not None and last["ema_em"] < last["em"] - RESET_GAP:
+                    if ema is not None and last["ema_em"] < last["em"] - RESET_GAP and tcfg.task != "lm":   # LM: em is -CE
                         ema.reset(gm, warmup=False)   # it averaged across a loss spike the trained weights have left behind
                         last["ema_reset"] = True
                     log(last)

@@ -44,7 +44,7 @@ def main():
     gpt = load_pretrained(cfgs).eval()
     tok = BPE(tokenizer_for(pretrained_path(args.init_from)))
     print(f"loaded {args.init_from} in {time.time() - t0:.1f} s; {torch.get_num_threads()} threads", flush=True)
-    scale = float(gpt.transformer.wte.weight.std())
+    scale = float(gpt.transformer.wte.weight.detach().std())
     with open(args.out, "w") as f:
         for N in args.N:
             task = compress_task(args.data_dir, tok, N, n_eval=args.n_eval, limit=1,
