@@ -6,6 +6,7 @@ eval.py --cost's JSON.
     python plot.py keval out/quick/eval.json -o out/quick/fig4.png     # Fig. 4a/4b from eval.py --K_eval 0 1 2 5
     python plot.py memsize out/appF_*/log.jsonl -o appF.png  # App. F: EM vs m, K (runs that reached their --pairs)
     python plot.py cost out/quick/cost.json -o out/quick/cost.png      # App. D from eval.py --cost: break-even
+    python plot.py compress results/appI/*.jsonl -o appI.png          # App. I: tools/compress_curve.py's token accuracy
 
 `curves` plots held-out exact match against training step (and wall time) for each run, one marker per evaluation,
 with a dotted line where a run's curriculum moved on to more pairs;
@@ -244,6 +245,27 @@ def plot_memsize(paths, out):
     return save(fig, out)
 
 
+def plot_compress(paths, out):
+    """App. I: token accuracy of text read back from memory against the tokens N written, one line per (m, K), from
+    tools/compress_curve.py's JSONL (the best alpha of each point)."""
+    best = {}
+    for path in paths:
+        for r in read_jsonl(path):
+            if not {"N", "n_mem", "K", "token_acc"} <= r.keys():
+                raise InputError(f"{path}: a line without N, n_mem, K and token_acc: not tools/compress_curve.py output")
+            key = (r["n_mem"], r["K"], r["N"])
+            best[key] = max(best.get(key, 0.0), r["token_acc"])
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for m, K in sorted({(m, K) for m, K, _ in best}):
+        Ns = sorted(N for mm, KK, N in best if (mm, KK) == (m, K))
+        ax.plot(Ns, [100 * best[m, K, N] for N in Ns], "o-" if m == 1 else "s--", label=f"m={m}, K={K}")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="tokens written N", ylabel="token accuracy from memory (%)", title="App. I: text compression")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save(fig, out)
+
+
 def read_cost(path):
     """An eval.py --cost JSON."""
     return read_results(path, "an eval.py --cost JSON (a JSON object with its results per context length)",
@@ -327,11 +349,11 @@ class Parser(argparse.ArgumentParser):
 def build_parser():
     """The command line: every flag with its help and its default shown."""
     p = Parser(prog="plot.py", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("figure", choices=["curves", "keval", "memsize", "cost"], help="which figure: curves (EM vs step "
-                   "and wall time), keval (Fig. 4a/4b: EM and WRITE loss vs K_eval), memsize (App. F: best EM vs m), "
-                   "cost (App. D: cost vs queries and the break-even)")
+    p.add_argument("figure", choices=["curves", "keval", "memsize", "cost", "compress"], help="which figure: curves (EM vs "
+                   "step and wall time), keval (Fig. 4a/4b: EM and WRITE loss vs K_eval), memsize (App. F: best EM vs m), "
+                   "cost (App. D: cost vs queries and the break-even), compress (App. I: token accuracy vs N)")
     p.add_argument("inputs", nargs="+", help="train.py log.jsonl files (curves, memsize), eval.py eval.json files "
-                   "(keval), one line or point set each; or one eval.py --cost JSON (cost)")
+                   "(keval), one line or point set each; one eval.py --cost JSON (cost); tools/compress_curve.py JSONL (compress)")
     p.add_argument("-o", "--out", required=True, default=argparse.SUPPRESS,
                    help="output image, e.g. a .png or .pdf path in an existing directory")
     return p
@@ -341,7 +363,8 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         check_out(args.out)
-        dict(curves=plot_curves, keval=plot_keval, memsize=plot_memsize, cost=plot_cost)[args.figure](args.inputs, args.out)
+        dict(curves=plot_curves, keval=plot_keval, memsize=plot_memsize, cost=plot_cost,
+             compress=plot_compress)[args.figure](args.inputs, args.out)
     except InputError as e:
         plt.close("all")
         sys.exit(f"plot.py: error: {e}")
