@@ -3087,3 +3087,14 @@ def test_build_around_a_pretrained_gpt():
         assert gm.model is gpt
         if kind != "transformer":
             assert abs(gm.mem0.std().item() - gpt.transformer.wte.weight.std().item()) < 0.03
+
+
+def test_max_steps_0_evaluates_and_saves_the_starting_model(tmp_path):
+    """--max_steps 0: one evaluation of the untrained (or loaded) model, logged and saved; eval.py reads it back with
+    the same numbers."""
+    out = tmp_path / "zero"
+    last = train.main(["--task", "babi", "--qa", "4", "--n_layer", "1", "--n_embd", "16", "--n_head", "2",
+                       "--n_hidden", "32", "--n_mem", "2", "--max_steps", "0", "--n_eval", "20", "--out_dir", str(out)])
+    assert last["step"] == 0 and torch.load(out / "ckpt.pt", weights_only=True)["step"] == 0
+    res = eval_script.main([str(out / "ckpt.pt"), "--out", str(tmp_path / "e.json")])
+    assert res[0]["em"] == last["em"] and res[0]["ce"] == pytest.approx(last["ce"], rel=1e-6)

@@ -88,7 +88,8 @@ class TrainConfig:
                                                        "paper's protocol)"})
     ema: float = field(default=0.999, metadata={"help": "decay of an exponential moving average of the weights "
                        "(ema.py), evaluated beside them; best.pt holds whichever scores higher (0: off)"})
-    max_steps: int = field(default=20000, metadata={"help": "optimizer steps in all, over every curriculum stage"})
+    max_steps: int = field(default=20000, metadata={"help": "optimizer steps in all, over every curriculum stage (0: "
+                           "evaluate the starting model, e.g. a pretrained one zero-shot, and save it for eval.py)"})
     eval_interval: int = field(default=250, metadata={"help": "evaluate and checkpoint every this many steps"})
     log_interval: int = field(default=50, metadata={"help": "log a training line every this many steps"})
     n_eval: int = field(default=1000, metadata={"help": "held-out samples per evaluation (text tasks: the first n of the "
@@ -760,6 +761,14 @@ def run(cfgs, argv):
     log(header)
     K_eval = gcfg.K if gcfg.K_eval < 0 else gcfg.K_eval
     t0, last = time.time(), None
+    if tcfg.max_steps == 0:                       # the starting model (e.g. a pretrained one, zero-shot), saved for eval.py
+        last = dict(kind="eval", step=0, pairs=pairs, K_eval=K_eval, time=0.0, **evaluate(gm, task, K_eval, device))
+        log(last)
+        print(f"eval step 0 ({f'{pairs} pairs' if tcfg.task == 'kv' else task.name}): {score_text(last)}")
+        if RANKS.rank == 0:
+            for name in ("best.pt", "ckpt.pt"):
+                save_checkpoint(os.path.join(tcfg.out_dir, name), gm, opt, 0, last["em"], cfgs, pairs, ema=ema)
+        return last
     speed = StageSpeed(stages, pairs, tcfg.max_steps, tcfg.eval_interval, "" if tcfg.task == "kv" else task.name)
     bar = tqdm(range(step, tcfg.max_steps), initial=step, total=tcfg.max_steps, dynamic_ncols=True,
                disable=None if RANKS.rank == 0 else True,
