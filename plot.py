@@ -6,7 +6,7 @@ eval.py --cost's JSON.
     python plot.py keval out/quick/eval.json -o out/quick/fig4.png     # Fig. 4a/4b from eval.py --K_eval 0 1 2 5
     python plot.py memsize out/appF_*/log.jsonl -o appF.png  # App. F: EM vs m, K (runs that reached their --pairs)
     python plot.py cost out/quick/cost.json -o out/quick/cost.png      # App. D from eval.py --cost: break-even
-    python plot.py compress results/appI/*.jsonl -o appI.png          # App. I: tools/compress_curve.py's token accuracy
+    python plot.py compress out/compress.jsonl -o out/appI.png        # App. I: tools/compress_curve.py token accuracy
 
 `curves` plots held-out exact match against training step (and wall time) for each run, one marker per evaluation,
 with a dotted line where a run's curriculum moved on to more pairs;
@@ -95,9 +95,17 @@ def label_of(path, recs):
         return os.path.basename(os.path.dirname(path)) or path
     t, g = head["config"]["train"], head["config"]["gradmem"]
     name, model = os.path.basename(os.path.dirname(path)), t.get("model", "gradmem")
+    task = f"N={t['pairs']}" if t.get("task", "kv") == "kv" else t["task"] + (f" qa{t['qa']}" if t["task"] == "babi" else "")
     if model == "gradmem":
-        return f"{name}: N={t['pairs']} K={g['K']} m={g['n_mem']} {g['meta_grad']}"
-    return f"{name}: {model} N={t['pairs']}" + (f" K={g['K']}" if model == "rmt" else "")
+        return f"{name}: {task} K={g['K']} m={g['n_mem']} {g['meta_grad']}"
+    return f"{name}: {model} {task}" + (f" K={g['K']}" if model == "rmt" else "")
+
+
+def task_title(recs_list):
+    """The title of a curves figure: KV retrieval, or the text task its logs trained on."""
+    tasks = {(header(r) or {}).get("config", {}).get("train", {}).get("task", "kv") for r in recs_list}
+    names = dict(kv="KV retrieval", babi="bAbI", squad="short SQuAD", lm="WikiText LM (score: minus CE)", compress="compression")
+    return " / ".join(names.get(t, t) for t in sorted(tasks))
 
 
 def wall_minutes(ev):
@@ -161,9 +169,11 @@ def save(fig, out, rect=(0, 0, 1, 1)):
 def plot_curves(paths, out):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     colors = plt.cm.tab20.colors if len(paths) > 10 else plt.cm.tab10.colors     # one colour per run
+    all_recs = []
     for i, path in enumerate(paths):
         with fields_of(path, "a train.py log.jsonl"):
             recs = read_jsonl(path)
+            all_recs.append(recs)
             ev = [r for r in recs if r.get("kind") == "eval"]
             if not ev:
                 raise InputError(f"{path}: no eval records (train.py writes one every --eval_interval steps)")
@@ -180,7 +190,7 @@ def plot_curves(paths, out):
                 ax1.axvline(r["step"], ls=":", lw=0.8, color=line.get_color())
                 ax1.annotate(f" N={r['pairs']}", (r["step"], 0.02), xycoords=("data", "axes fraction"), fontsize=7,
                              color=line.get_color(), rotation=90, va="bottom")
-    ax1.set(xlabel="training step", ylabel="held-out exact match (%)", title="KV retrieval")
+    ax1.set(xlabel="training step", ylabel="held-out exact match (%)", title=task_title(all_recs))
     ax2.set(xlabel="wall time of the run (min)", ylabel="held-out exact match (%)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)

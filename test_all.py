@@ -3098,3 +3098,16 @@ def test_max_steps_0_evaluates_and_saves_the_starting_model(tmp_path):
     assert last["step"] == 0 and torch.load(out / "ckpt.pt", weights_only=True)["step"] == 0
     res = eval_script.main([str(out / "ckpt.pt"), "--out", str(tmp_path / "e.json")])
     assert res[0]["em"] == last["em"] and res[0]["ce"] == pytest.approx(last["ce"], rel=1e-6)
+
+
+def test_plot_compress_takes_the_best_alpha_per_point(tmp_path):
+    """plot.py compress: one line per (m, K) over N, the best alpha of each point; a file of other records is refused."""
+    rows = [dict(N=N, n_mem=1, K=K, alpha=a, token_acc=acc) for N, K, a, acc in
+            [(8, 1, 0.1, 0.2), (8, 1, 0.3, 0.4), (16, 1, 0.1, 0.5), (8, 2, 0.1, 0.6), (16, 2, 0.1, 0.7)]]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ax = plot.plot_compress([str(tmp_path / "c.jsonl")], str(tmp_path / "c.png")).axes[0]
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in ax.get_lines()}
+    assert lines == {"m=1, K=1": [40.0, 50.0], "m=1, K=2": [60.0, 70.0]} and (tmp_path / "c.png").stat().st_size > 0
+    (tmp_path / "bad.jsonl").write_text(json.dumps(dict(step=1)) + "\n")
+    with pytest.raises(SystemExit, match="not tools/compress_curve.py output"):
+        plot.main(["compress", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "d.png")])
