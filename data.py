@@ -323,6 +323,44 @@ def qa_rows(tok, triples, space=""):
             for c, q, golds in triples]
 
 
+# The releases, fetched into --data_dir when their files are not there: (url, the folder the archive unpacks to)
+RELEASES = {"babi": [("http://www.thespermwhale.com/jaseweston/babi/tasks_1-20_v1-2.tar.gz", "tasks_1-20_v1-2")],
+            "squad": [(f"https://rajpurkar.github.io/SQuAD-explorer/dataset/{f}", "") for f in ("train-v1.1.json",
+                                                                                                 "dev-v1.1.json")],
+            "lm": [("https://wikitext.smerity.com/wikitext-103-raw-v1.zip", "wikitext-103-raw")]}
+
+
+def fetch(task, data_dir, need):
+    """The folder under data_dir that holds `need` (a relative path): data_dir itself, the folder a release unpacks
+    to, or, when neither has it, that folder after downloading and unpacking the release (online only)."""
+    import shutil
+    import tarfile
+    import urllib.request
+    import zipfile
+    folders = [data_dir] + [os.path.join(data_dir, sub) for _, sub in RELEASES[task]]
+    for folder in folders:
+        if os.path.exists(os.path.join(folder, need)):
+            return folder
+    os.makedirs(data_dir, exist_ok=True)
+    for url, sub in RELEASES[task]:
+        path = os.path.join(data_dir, os.path.basename(url))
+        try:
+            with urllib.request.urlopen(url, timeout=30) as r, open(path + ".part", "wb") as f:
+                shutil.copyfileobj(r, f)
+        except OSError as e:
+            raise ValueError(f"{os.path.join(data_dir, need)} not found and {url} could not be fetched "
+                             f"({getattr(e, 'reason', e)}): download it by hand and unpack it in {data_dir}") from None
+        os.replace(path + ".part", path)
+        print(f"downloaded {url} to {path}")
+        if path.endswith(".tar.gz"):
+            with tarfile.open(path) as t:
+                t.extractall(data_dir, filter="data")
+        elif path.endswith(".zip"):
+            with zipfile.ZipFile(path) as z:
+                z.extractall(data_dir)
+    return next((f for f in folders if os.path.exists(os.path.join(f, need))), data_dir)
+
+
 BABI_STORIES = {"1k": (200, 200), "10k": (2000, 200)}    # (train, test) stories of the released sets; qa4: x5
 
 
@@ -336,6 +374,8 @@ def babi_task(qa, size="1k", data_dir="", tok=None, seed=0, eval_seed=12345):
     if size not in BABI_STORIES:
         raise ValueError(f"--babi_size must be 1k or 10k, got {size!r}")
     if data_dir:
+        if os.path.basename(os.path.normpath(data_dir)) not in ("en", "en-10k"):     # the folder of the release
+            data_dir = fetch("babi", data_dir, os.path.join("en" if size == "1k" else "en-10k", f"{babi.TASKS[qa]}_train.txt"))
         train, test = (babi.parse_file(babi.find_file(data_dir, qa, split, size)) for split in ("train", "test"))
     else:
         n_train, n_test = (n * (5 if qa == 4 else 1) for n in BABI_STORIES[size])
@@ -395,6 +435,7 @@ def squad_task(data_dir, tok, seed=0, max_ctx=0):
     """Short SQuAD from data_dir/train-v1.1.json and dev-v1.1.json (scored on dev). max_ctx > 0 drops samples whose
     short context is longer than max_ctx tokens; how many is printed."""
     rows = []
+    data_dir = fetch("squad", data_dir, SQUAD_FILES[0])
     for name in SQUAD_FILES:
         path = os.path.join(data_dir, name)
         if not os.path.isfile(path):
@@ -436,6 +477,7 @@ def lm_task(data_dir, tok, seed=0, half=128, limit=0, n_eval=1000):
     """WikiText-103 LM: 2 x half-token chunks, C = the first half, Y = the second, no query (Q empty); scored by the
     mean cross-entropy of Y."""
     rows = {}
+    data_dir = fetch("lm", data_dir, WIKITEXT_FILES["eval"])
     for split, name in WIKITEXT_FILES.items():
         chunks = text_chunks(os.path.join(data_dir, name), tok, 2 * half, limit if split == "train" else n_eval)
         rows[split] = [(c[:half], [], c[half:], None) for c in chunks]

@@ -2593,14 +2593,26 @@ def test_text_task_train_then_eval(tmp_path, task):
     assert [r["K_eval"] for r in res] == [0, 2] and json.load(open(tmp_path / "e.json"))["task"]
 
 
-def test_text_task_refusals(tmp_path, capsys):
+def offline(monkeypatch):
+    """urllib.request.urlopen as on a machine without internet: every fetch fails at once."""
+    import urllib.error
+    import urllib.request
+
+    def refuse(url, timeout=None):
+        raise urllib.error.URLError("offline (test)")
+    monkeypatch.setattr(urllib.request, "urlopen", refuse)
+
+
+def test_text_task_refusals(tmp_path, monkeypatch):
+    offline(monkeypatch)
     def err(*flags):
         with pytest.raises(SystemExit) as e:
             train.main(list(flags) + ["--out_dir", str(tmp_path / "x")])
         return str(e.value.code)
     assert "--qa must be one of 1..5" in err("--task", "babi", "--qa", "6")
     assert "reads its text from --data_dir" in err("--task", "squad", "--tokenizer", byte_tokenizer(tmp_path / "b.tiktoken"))
-    assert "train-v1.1.json not found" in err("--task", "squad", "--data_dir", str(tmp_path), "--tokenizer", str(tmp_path / "b.tiktoken"))
+    assert re.search(r"train-v1.1.json not found and https://\S+/train-v1.1.json could not be fetched \(offline",
+                     err("--task", "squad", "--data_dir", str(tmp_path), "--tokenizer", str(tmp_path / "b.tiktoken")))
     assert "App. H baseline of the KV task only" in err("--task", "lm", "--model", "lact")
     assert "--memory kv, --segment, --cuda_graph and --queries > 1 are for the KV task" in err("--task", "babi", "--memory", "kv")
     (tmp_path / "train-v1.1.json").write_text(json.dumps(dict(data=[dict(paragraphs=[dict(context="a b", qas=[
@@ -3111,3 +3123,34 @@ def test_plot_compress_takes_the_best_alpha_per_point(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps(dict(step=1)) + "\n")
     with pytest.raises(SystemExit, match="not tools/compress_curve.py output"):
         plot.main(["compress", str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "d.png")])
+
+
+def test_releases_are_fetched_and_unpacked_when_missing(tmp_path, monkeypatch):
+    """--data_dir without the files: the release is downloaded there and unpacked (bAbI's tar.gz, WikiText's zip;
+    urlopen serves archives built here), then read; a folder that has them is used as it is, with no download."""
+    import io
+    import tarfile
+    import urllib.request
+    import zipfile
+    src = tmp_path / "src"
+    for split, seed in (("train", 1), ("test", 2)):
+        (src / "tasks_1-20_v1-2" / "en").mkdir(parents=True, exist_ok=True)
+        babi.write_file(babi.generate(1, 3, seed), src / "tasks_1-20_v1-2" / "en" / f"{babi.TASKS[1]}_{split}.txt", 1)
+    tgz, zbuf = io.BytesIO(), io.BytesIO()
+    with tarfile.open(fileobj=tgz, mode="w:gz") as t:
+        t.add(src / "tasks_1-20_v1-2", arcname="tasks_1-20_v1-2")
+    with zipfile.ZipFile(zbuf, "w") as z:
+        for name in ("wiki.train.raw", "wiki.valid.raw"):
+            z.writestr(f"wikitext-103-raw/{name}", "the cat sat on the mat. " * 30)
+    served = []
+
+    def urlopen(url, timeout=None):
+        served.append(url)
+        return io.BytesIO(tgz.getvalue() if url.endswith(".tar.gz") else zbuf.getvalue())
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    task = data.babi_task(1, "1k", str(tmp_path / "babi"))
+    assert len(task.train) == 15 and served == [data.RELEASES["babi"][0][0]]
+    data.babi_task(1, "1k", str(tmp_path / "babi"))                       # unpacked already: no second download
+    tok = data.BPE(__import__("tokenizer").tokenizer_for(byte_tokenizer(tmp_path / "bytes.tiktoken")))
+    lm = data.lm_task(str(tmp_path / "wt"), tok, half=8, n_eval=2)
+    assert len(lm.eval) == 2 and served[1:] == [data.RELEASES["lm"][0][0]]
